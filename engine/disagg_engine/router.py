@@ -1,0 +1,76 @@
+"""HTTP routes of the engine extension: thin functions that find the serving object on
+``app.state``, call one method and turn its result into a response."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from http import HTTPStatus
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from disagg_engine.protocol import DisaggGenerateRequest
+from disagg_engine.vllm_compat import (
+    ErrorResponse,
+    GenerateResponseBase,
+    load_aware_call,
+    validate_json_request,
+    with_cancellation,
+)
+
+router = APIRouter()
+abort_router = APIRouter()
+ABORT_PATH = "/inference/v1/abort_requests"
+
+
+def _error(status: HTTPStatus, message: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": status.phrase.replace(" ", ""), "param": None, "code": status.value}},
+        status_code=status.value,
+    )
+
+
+@router.post("/inference/v1/generate", dependencies=[Depends(validate_json_request)])
+@with_cancellation
+@load_aware_call
+async def generate(request: DisaggGenerateRequest, raw_request: Request):
+    serving = raw_request.app.state.disagg_serving_tokens
+    if serving is None:
+        return _error(HTTPStatus.NOT_IMPLEMENTED, "this server does not serve /inference/v1/generate")
+    result = await serving.serve_tokens(request, raw_request)
+    if isinstance(result, ErrorResponse):
+        return JSONResponse(result.model_dump(), status_code=result.error.code)
+    if isinstance(result, GenerateResponseBase):
+        return JSONResponse(result.model_dump())
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@router.get("/disagg/v1/capabilities")
+async def get_capabilities(raw_request: Request):
+    caps = getattr(raw_request.app.state, "disagg_capabilities", None)
+    if caps is None:
+        return _error(HTTPStatus.NOT_FOUND, "the disagg engine extension has no generate engine here")
+    serving = raw_request.app.state.disagg_serving_tokens
+    return JSONResponse({**caps, "live_derender_requests": serving.live_derender_requests})
+
+
+async def abort_requests(raw_request: Request):
+    try:
+        body = await raw_request.json()
+    except json.JSONDecodeError as exc:
+        return _error(HTTPStatus.BAD_REQUEST, f"JSON decode error: {exc}")
+    ids = body.get("request_ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        return _error(HTTPStatus.BAD_REQUEST, "body must be {\"request_ids\": [str, ...]}")
+    asyncio.create_task(raw_request.app.state.engine_client.abort(ids))
+    return Response(status_code=200)
+
+
+abort_router.add_api_route(ABORT_PATH, abort_requests, methods=["POST"])
+
+
+def abort_route_missing(app: FastAPI) -> bool:
+    return not any(getattr(r, "path", None) == ABORT_PATH for r in app.routes)

@@ -1,0 +1,151 @@
+"""Start, health-poll and stop local server processes (vLLM servers, sidecars) by their own pids.
+
+Used by the test harness, local mode and the benchmarks. No vLLM import: servers are separate
+processes started from argument lists (never a shell string), each in its own session so that
+stopping one stops its children too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become healthy in time; the message carries its log tail."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    argv: list[str]
+    port: int
+    env: Mapping[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass
+class ManagedServer:
+    spec: ServerSpec
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + self.spec.health_path, timeout=timeout) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 40, width: int = 300) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+            return "\n".join(line[:width] for line in text)
+        except OSError:
+            return "<no log>"
+
+    def stop(self, grace: float = 15.0) -> None:
+        """TERM the server's process group, then KILL it if it outlives ``grace`` seconds."""
+        if self.proc.poll() is not None:
+            return
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        # Children that ignored TERM (e.g. a vLLM engine core) go with the group.
+        _signal_group(self.proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def start(spec: ServerSpec, log_dir: Path) -> ManagedServer:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.name}.log"
+    env = {**os.environ, **spec.env}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True,
+        )
+    return ManagedServer(spec, proc, log_path)
+
+
+def wait_healthy(servers: Iterable[ManagedServer], timeout: float, poll: float = 0.5) -> None:
+    """Poll every server's health endpoint until all answer 200; fail fast if one exits."""
+    pending = list(servers)
+    deadline = time.monotonic() + timeout
+    while pending:
+        for server in list(pending):
+            if not server.alive():
+                raise ServerStartError(
+                    f"{server.spec.name} exited with {server.proc.returncode}:\n{server.log_tail()}"
+                )
+            if server.healthy():
+                pending.remove(server)
+        if pending and time.monotonic() > deadline:
+            tails = "\n\n".join(f"--- {s.spec.name} ---\n{s.log_tail()}" for s in pending)
+            raise ServerStartError(f"not healthy after {timeout:.0f}s: {[s.spec.name for s in pending]}\n{tails}")
+        if pending:
+            time.sleep(poll)
+
+
+def start_all(specs: Iterable[ServerSpec], log_dir: Path, timeout: float = 300.0) -> list[ManagedServer]:
+    """Start servers in parallel and wait until all are healthy; on failure stop all of them."""
+    servers = [start(spec, log_dir) for spec in specs]
+    try:
+        wait_healthy(servers, timeout)
+    except BaseException:
+        stop_all(servers)
+        raise
+    return servers
+
+
+def stop_all(servers: Iterable[ManagedServer]) -> None:
+    for server in servers:
+        server.stop()

@@ -1,0 +1,105 @@
+"""``/inference/v1/generate`` with ``output_mode`` tokens | text | derender, batch and streaming.
+
+``tokens`` and ``text`` are vLLM's own code paths. ``derender`` feeds the engine's live
+``RequestOutput`` stream into vLLM's own ``/v1/chat/completions`` generators, so the message and
+the deltas are exactly what the coupled endpoint returns for the same tokens: one parser per
+choice, created when the request starts and dropped when it ends or is aborted; no replay, no
+client-carried state. Only the shape is changed (``shapes.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from disagg_engine import shapes
+from disagg_engine.protocol import DisaggGenerateRequest
+from disagg_engine.vllm_compat import (
+    ChatCompletionResponse,
+    ErrorResponse,
+    OpenAIServingChat,
+    ServingTokens,
+    chat_parser_configured,
+    effective_chat_template_kwargs,
+    make_chat_parser,
+)
+
+
+class DisaggServingTokens(ServingTokens):
+    """vLLM's ``ServingTokens`` with the ``derender`` level added (see ``vllm_compat``)."""
+
+    chat: OpenAIServingChat | None = None
+    live_derender_requests: int = 0
+
+    async def serve_tokens(self, request: DisaggGenerateRequest, raw_request=None):
+        if request.output_mode == "derender" and (error := self._check_derender(request)) is not None:
+            return error
+        return await super().serve_tokens(request, raw_request)
+
+    def _check_derender(self, request: DisaggGenerateRequest) -> ErrorResponse | None:
+        if not self.has_tokenizer:
+            return None  # vLLM's own check answers "requires a tokenizer" with the mode named
+        if self.chat is None:
+            return self.create_error_response(
+                "output_mode='derender' needs the chat endpoint on this server (a generate model); "
+                "use output_mode='text' or 'tokens'."
+            )
+        if chat_parser_configured(self.chat) and request.chat_request is None and request.parse_context is None:
+            return self.create_error_response(
+                "output_mode='derender' requires chat_request (or parse_context) on a server with a "
+                "tool or reasoning parser, because plain detokenization would leak parser markup "
+                "into content. Send the client's chat request as chat_request, or the "
+                "parse_context returned by /render."
+            )
+        return None
+
+    async def _tracked(self, outputs: AsyncIterator) -> AsyncGenerator:
+        """Count live derender requests; the count drops however the request ends."""
+        self.live_derender_requests += 1
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            self.live_derender_requests -= 1
+
+    def _chat_setup(self, request: DisaggGenerateRequest) -> tuple[Any, dict[str, Any]]:
+        ctx = request.chat_context()
+        return ctx, effective_chat_template_kwargs(self.chat, ctx)
+
+    async def serve_tokens_full_generator(self, request, result_generator, request_id, model_name, request_metadata):
+        if request.output_mode != "derender":
+            return await super().serve_tokens_full_generator(
+                request, result_generator, request_id, model_name, request_metadata)
+        ctx, kwargs = self._chat_setup(request)
+        parser = make_chat_parser(self.chat, ctx, kwargs)
+        result = await self.chat.chat_completion_full_generator(
+            ctx, self._tracked(result_generator), request_id, model_name, [],
+            self.chat.renderer.tokenizer, request_metadata, parser=parser,
+        )
+        if isinstance(result, ErrorResponse):
+            return result
+        assert isinstance(result, ChatCompletionResponse)
+        return shapes.derender_response(result.model_dump(), request_id)
+
+    async def serve_tokens_stream_generator(self, request, result_generator, request_id, model_name, request_metadata):
+        if request.output_mode != "derender":
+            async for event in super().serve_tokens_stream_generator(
+                    request, result_generator, request_id, model_name, request_metadata):
+                yield event
+            return
+        ctx, kwargs = self._chat_setup(request)
+        chat_stream = self.chat.chat_completion_stream_generator(
+            ctx, self._tracked(result_generator), request_id, model_name, [],
+            self.chat.renderer.tokenizer, request_metadata, chat_template_kwargs=kwargs,
+        )
+        async for event in chat_stream:
+            payload = event[len("data: "):].strip() if event.startswith("data: ") else ""
+            if payload == "[DONE]" or not payload:
+                yield event
+                continue
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                yield event  # same SSE error event as vLLM's own streams
+                continue
+            yield f"data: {json.dumps(shapes.derender_stream_chunk(chunk, request_id), separators=(',', ':'))}\n\n"

