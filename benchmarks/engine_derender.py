@@ -23,11 +23,17 @@ import requests
 from disagg_engine.testing.server_set import start_server_set
 
 
-def forced_text(tokens: int, tok) -> str:
-    # reasoning of ~tokens words, a short answer and one hermes tool call
-    words = " ".join(f"step{i % 97}" for i in range(tokens))
+WORDS = ("the", "weather", "city", "check", "first", "then", "answer", "user", "asks", "about")
+
+
+def forced_ids(tokens: int, tok) -> list[int]:
+    """``tokens`` ids: reasoning of common one-token words, a short answer, one hermes tool call."""
     call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}})
-    return f"<think>\n{words}\n</think>\n\nChecking the weather.\n<tool_call>\n{call}\n</tool_call>"
+    tail = tok.encode(f"\n</think>\n\nChecking the weather.\n<tool_call>\n{call}\n</tool_call>", add_special_tokens=False)
+    head = tok.encode("<think>\n", add_special_tokens=False)
+    word_ids = [tok.encode(" " + w, add_special_tokens=False)[0] for w in WORDS]
+    body = [word_ids[i % len(word_ids)] for i in range(max(tokens - len(head) - len(tail) - 1, 0))]
+    return head + body + tail + [tok.eos_token_id]
 
 
 def api_cpu(pid: int) -> float:
@@ -67,7 +73,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
-        ids = tok.encode(forced_text(args.tokens, tok), add_special_tokens=False) + [tok.eos_token_id]
+        ids = forced_ids(args.tokens, tok)
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}}}}]
         chat = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "bench"}], "tools": tools,

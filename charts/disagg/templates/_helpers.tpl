@@ -1,0 +1,102 @@
+{{/* The chart name (nameOverride wins). */}}
+{{- define "disagg.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release's full name: <release>-<chart>, or just <release> when it already contains the chart name. */}}
+{{- define "disagg.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "disagg.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Selector labels. component=operator keeps the selector disjoint from the pods of the models the
+operator deploys (they carry app.kubernetes.io/name=disagg and a pool component).
+*/}}
+{{- define "disagg.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "disagg.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* Labels on every object the chart creates (tests list objects by instance + managed-by). */}}
+{{- define "disagg.labels" -}}
+helm.sh/chart: {{ include "disagg.chart" . }}
+{{ include "disagg.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: disagg
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "disagg.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "disagg.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "disagg.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+The operator's permissions, the same rules for the ClusterRole (all namespaces) and for each
+per-namespace Role. Derived from operator/disagg_operator: apply.py (server-side apply = patch,
+plus create for a new object; delete with a uid precondition when pruning), handlers.py (kopf
+indices and event handlers list+watch every managed kind; kopf patches the model for its
+annotations and its status subresource; kopf.info/warn post core/v1 Events) and objects/rbac.py
+(the sidecar Role grants endpointslices get/list/watch; RBAC forbids granting what one does not hold).
+No Secrets, no pods, no cluster-scoped objects.
+*/}}
+{{- define "disagg.rbacRules" -}}
+- apiGroups: ["disagg.dev"]
+  resources: ["disaggregatedmodels"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["disagg.dev"]
+  resources: ["disaggregatedmodels/status"]
+  verbs: ["get", "patch"]
+- apiGroups: [""]
+  resources: ["configmaps", "services", "serviceaccounts"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}
+
+{{/* Guards for what the schema cannot express (also when --skip-schema-validation is used). */}}
+{{- define "disagg.validate" -}}
+{{- if gt (int .Values.replicas) 1 -}}
+{{- fail "replicas must be 0 or 1: the disagg operator has no leader election (kopf peering does not elect among equal-priority replicas), so two replicas would reconcile every DisaggregatedModel twice" -}}
+{{- end -}}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.service.enabled: the ServiceMonitor selects the metrics Service" -}}
+{{- end -}}
+{{- end -}}

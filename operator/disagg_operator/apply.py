@@ -1,0 +1,128 @@
+"""The only module that talks to the Kubernetes API (besides kopf itself).
+
+Server-side apply with field manager ``disagg-operator`` (forced: the operator owns the fields it
+sets), deletes with a uid precondition (never someone else's object of the same name), and
+merge patches of the DisaggregatedModel status. Raw JSON in and out: no client model classes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from disagg_operator.objects import names
+from disagg_operator.spec import GROUP, PLURAL, VERSION
+
+FIELD_MANAGER = names.OPERATOR
+APPLY = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
+MERGE = "application/merge-patch+json"
+
+# (apiVersion, kind) → (typed API class, method suffix) for every kind the operator owns.
+_APIS: Mapping[tuple[str, str], tuple[str, str]] = {
+    ("v1", "ServiceAccount"): ("CoreV1Api", "namespaced_service_account"),
+    ("v1", "ConfigMap"): ("CoreV1Api", "namespaced_config_map"),
+    ("v1", "Service"): ("CoreV1Api", "namespaced_service"),
+    ("rbac.authorization.k8s.io/v1", "Role"): ("RbacAuthorizationV1Api", "namespaced_role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("RbacAuthorizationV1Api", "namespaced_role_binding"),
+    ("apps/v1", "Deployment"): ("AppsV1Api", "namespaced_deployment"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): ("AutoscalingV2Api", "namespaced_horizontal_pod_autoscaler"),
+    ("policy/v1", "PodDisruptionBudget"): ("PolicyV1Api", "namespaced_pod_disruption_budget"),
+}
+
+
+class ApplyError(RuntimeError):
+    """The API server refused a request; ``permanent`` when retrying the same request cannot help."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def permanent(self) -> bool:
+        return self.status in (400, 403, 422)
+
+
+def _error(exc: ApiException, what: str) -> ApplyError:
+    try:
+        detail = json.loads(exc.body or "{}").get("message") or exc.reason
+    except (ValueError, AttributeError):
+        detail = exc.reason
+    return ApplyError(f"{what}: {exc.status} {detail}", exc.status or 0)
+
+
+class KubeApi:
+    def __init__(self, api_client: client.ApiClient):
+        self._client = api_client
+        self._apis: dict[str, Any] = {}
+
+    @classmethod
+    def from_environment(cls, connections: int = 32) -> KubeApi:
+        """In-cluster service account, else the kubeconfig (KUBECONFIG or ~/.kube/config).
+
+        ``connections`` should match the number of threads calling the API: a smaller pool makes
+        urllib3 open (and TLS-handshake) a throwaway connection per request under load.
+        """
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        configuration = client.Configuration.get_default_copy()
+        configuration.connection_pool_maxsize = connections
+        return cls(client.ApiClient(configuration))
+
+    def _method(self, obj_or_type: tuple[str, str], verb: str) -> Any:
+        api_name, suffix = _APIS[obj_or_type]
+        if api_name not in self._apis:
+            self._apis[api_name] = getattr(client, api_name)(self._client)
+        return getattr(self._apis[api_name], f"{verb}_{suffix}")
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply ``obj``; returns the live object."""
+        meta = obj["metadata"]
+        what = f"apply {obj['kind']} {meta['namespace']}/{meta['name']}"
+        try:
+            response = self._method((obj["apiVersion"], obj["kind"]), "patch")(
+                meta["name"], meta["namespace"], dict(obj), field_manager=FIELD_MANAGER, force=True,
+                _content_type=APPLY, _preload_content=False,
+            )
+        except ApiException as exc:
+            raise _error(exc, what) from None
+        return json.loads(response.data)
+
+    def delete(self, obj: Mapping[str, Any]) -> None:
+        """Delete exactly this object (uid precondition); already gone is fine."""
+        meta = obj["metadata"]
+        body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=meta["uid"]),
+                                      propagation_policy="Background")
+        try:
+            self._method((obj["apiVersion"], obj["kind"]), "delete")(
+                meta["name"], meta["namespace"], body=body, _preload_content=False)
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # 409: a newer object with that name exists; not ours to delete
+                raise _error(exc, f"delete {obj['kind']} {meta['namespace']}/{meta['name']}") from None
+
+    def model_exists(self, namespace: str, name: str, uid: str) -> bool:
+        """Whether this very DisaggregatedModel (same uid) still exists."""
+        try:
+            response = client.CustomObjectsApi(self._client).get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise _error(exc, f"get {namespace}/{name}") from None
+        return json.loads(response.data)["metadata"]["uid"] == uid
+
+    def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """Merge-patch the DisaggregatedModel's status subresource."""
+        try:
+            client.CustomObjectsApi(self._client).patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": dict(patch)}, field_manager=FIELD_MANAGER,
+                _content_type=MERGE, _preload_content=False,
+            )
+        except ApiException as exc:
+            if exc.status != 404:  # deleted meanwhile: nothing to report on
+                raise _error(exc, f"patch status of {namespace}/{name}") from None

@@ -1,0 +1,99 @@
+"""`disagg crd`, `disagg manifests FILE` and `disagg operator`: argv in, exit code out.
+
+kopf and the Kubernetes client are imported only by `disagg operator`, so the other two commands
+work anywhere pydantic and PyYAML are installed (GitOps pipelines, CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+
+def crd_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="disagg crd", description="Print the DisaggregatedModel CRD (YAML).")
+    parser.parse_args(list(argv))
+    from disagg_operator.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def _documents(path: str, stdin: TextIO) -> list[Any]:
+    text = stdin.read() if path == "-" else Path(path).read_text()
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+
+
+def render_manifests(documents: Iterable[Any], default_namespace: str) -> list[dict[str, Any]]:
+    """Every object for every DisaggregatedModel in ``documents`` (SpecError on a bad one)."""
+    from disagg_operator.objects import build_objects
+    from disagg_operator.plan import build_plan
+    from disagg_operator.spec import API_VERSION, KIND, SpecError, parse_manifest
+
+    out: list[dict[str, Any]] = []
+    for i, doc in enumerate(documents):
+        if not isinstance(doc, dict) or doc.get("kind") != KIND:
+            kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
+            raise SpecError([f"document {i + 1} is a {kind}, not a {API_VERSION} {KIND}"], "input")
+        manifest = parse_manifest(doc, default_namespace)
+        out += build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
+    return out
+
+
+def manifests_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="disagg manifests",
+        description="Print the Kubernetes objects for DisaggregatedModel(s) in FILE as a YAML stream "
+        "(the same objects the operator applies, without owner references).",
+    )
+    parser.add_argument("file", metavar="FILE", help="YAML file with one or more DisaggregatedModels ('-': stdin)")
+    parser.add_argument("-n", "--namespace", default="default",
+                        help="namespace for objects whose metadata has none (default: %(default)s)")
+    args = parser.parse_args(list(argv))
+    from disagg_operator.spec import SpecError
+
+    try:
+        objects = render_manifests(_documents(args.file, sys.stdin), args.namespace)
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"disagg manifests: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 1
+    except SpecError as exc:
+        print(f"disagg manifests: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False))
+    return 0
+
+
+def operator_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="disagg operator", description="Run the DisaggregatedModel operator (kopf). Watches all namespaces "
+        "unless --namespace is given.",
+    )
+    parser.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                        help="watch only this namespace (repeatable; glob patterns as in kopf)")
+    parser.add_argument("--liveness", metavar="URL", default=None,
+                        help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--peering", metavar="NAME", default=None,
+                        help="coordinate several operator replicas through a KopfPeering object "
+                        "(default: standalone, one replica)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(list(argv))
+
+    import kopf
+
+    from disagg_operator import handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose)
+    kopf.run(
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness,
+    )
+    return 0

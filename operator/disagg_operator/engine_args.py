@@ -1,0 +1,163 @@
+"""The one place vLLM command-line flags and environment variable names are spelled.
+
+Everything here is pure string building; which tier gets which group of flags is decided in
+``plan.py``. References: vllm-scale-out-protocol.md §1 (processes, flags) and §5 (KV transfer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from typing import Any
+
+
+class Launcher(StrEnum):
+    """How a tier's vLLM process is started; the flags after the prefix are the same parser's."""
+
+    SERVE = "serve"  # `vllm serve MODEL ...`: prefill and decode engines
+    LAUNCH_RENDER = "launch-render"  # `vllm launch render MODEL ...`: GPU-less render/derender
+
+
+LAUNCHER_ARGV: Mapping[Launcher, tuple[str, ...]] = {
+    Launcher.SERVE: ("vllm", "serve"),
+    Launcher.LAUNCH_RENDER: ("vllm", "launch", "render"),
+}
+
+# Environment variables read by vLLM (vllm/envs.py).
+NIXL_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+VLLM_PLUGINS = "VLLM_PLUGINS"
+ENGINE_PLUGIN_NAME = "disagg"  # the `vllm.endpoint_plugins` entry point in pyproject.toml
+
+# KV connector names as vLLM's kv_connector factory spells them; "None" turns KV transfer off.
+NIXL = "NixlConnector"
+EXAMPLE = "ExampleConnector"
+NO_CONNECTOR = "None"
+KV_CONNECTORS: tuple[str, ...] = (NIXL, EXAMPLE, NO_CONNECTOR)
+
+TOKENS_ONLY = "--tokens-only"
+ENABLE_SCALE_OUT = "--enable-scale-out"
+
+# Flags Disagg derives from the spec: setting them by hand would defeat the single source of truth.
+OWNED_FLAGS: tuple[str, ...] = (
+    "--host", "--port", "--model", "--served-model-name", "--revision", "--max-model-len",
+    "--chat-template", "--default-chat-template-kwargs", "--tool-call-parser", "--reasoning-parser",
+    "--enable-auto-tool-choice", "--kv-transfer-config", "--tokens-only", "--enable-scale-out",
+    "--renderer-num-workers", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
+    "--enable-expert-parallel", "--api-server-count",
+)
+# Flags that change how prompts are rendered or outputs parsed: every tier must agree, so they
+# are accepted in the shared model.engineArgs but not in one pool's extraArgs.
+SHARED_ONLY_FLAGS: tuple[str, ...] = (
+    "--tokenizer", "--tokenizer-mode", "--tokenizer-revision", "--trust-remote-code",
+    "--generation-config", "--chat-template-content-format", "--hf-overrides",
+    "--tool-parser-plugin", "--reasoning-parser-plugin", "--skip-tokenizer-init",
+)
+
+
+def flag_name(arg: str) -> str:
+    """The flag an argument sets, as vLLM's parser sees it (`--a_b.c=1` → `--a-b`).
+
+    Mirrored in CEL by ``cel_flag_name`` in rules.py; keep the two in step.
+    """
+    return arg.split("=")[0].split(".")[0].replace("_", "-")
+
+
+def launcher_argv(launcher: Launcher) -> list[str]:
+    return list(LAUNCHER_ARGV[launcher])
+
+
+def listen_flags(port: int, host: str = "0.0.0.0") -> list[str]:
+    return ["--host", host, "--port", str(port)]
+
+
+def revision_flags(revision: str | None) -> list[str]:
+    return ["--revision", revision] if revision else []
+
+
+def model_flags(served_name: str, max_model_len: int | None) -> list[str]:
+    flags = ["--served-model-name", served_name]
+    if max_model_len is not None:
+        flags += ["--max-model-len", str(max_model_len)]
+    return flags
+
+
+def chat_template_flags(template_path: str | None, default_kwargs: Mapping[str, Any] | None) -> list[str]:
+    """Flags that decide how a request becomes prompt tokens."""
+    flags: list[str] = []
+    if template_path:
+        flags += ["--chat-template", template_path]
+    if default_kwargs:
+        flags += ["--default-chat-template-kwargs", canonical_json(default_kwargs)]
+    return flags
+
+
+def parser_flags(tool_call_parser: str | None, reasoning_parser: str | None, auto_tool_choice: bool) -> list[str]:
+    """Flags that decide how output tokens become reasoning / content / tool calls."""
+    flags: list[str] = []
+    if reasoning_parser:
+        flags += ["--reasoning-parser", reasoning_parser]
+    if tool_call_parser:
+        flags += ["--tool-call-parser", tool_call_parser]
+    if auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    return flags
+
+
+def kv_transfer_config(connector: str, extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object; ``kv_both`` on both pools, the sidecar decides roles."""
+    config: dict[str, Any] = {"kv_connector": connector, "kv_role": "kv_both"}
+    if extra_config:
+        config["kv_connector_extra_config"] = dict(extra_config)
+    return config
+
+
+def kv_transfer_flags(config: Mapping[str, Any]) -> list[str]:
+    return ["--kv-transfer-config", canonical_json(config)]
+
+
+def parallel_flags(tensor: int, data: int, expert: bool) -> list[str]:
+    flags: list[str] = []
+    if tensor != 1:
+        flags += ["--tensor-parallel-size", str(tensor)]
+    if data != 1:
+        flags += ["--data-parallel-size", str(data)]
+    if expert:
+        flags.append("--enable-expert-parallel")
+    return flags
+
+
+def renderer_flags(workers: int) -> list[str]:
+    return ["--renderer-num-workers", str(workers)]
+
+
+def vllm_argv(
+    launcher: Launcher, model_arg: str, vllm_args: Sequence[str], *, port: int,
+    revision: str | None = None, host: str = "0.0.0.0",
+) -> list[str]:
+    """The full command line: launcher, model, model location, listen address, role flags."""
+    return [*launcher_argv(launcher), model_arg, *revision_flags(revision), *listen_flags(port, host), *vllm_args]
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """MAJOR.MINOR.PATCH of a version string such as 0.33.0, 0.33.0rc1 or 0.32.0+cpu."""
+    major, minor, patch = version.split(".")[:3]
+    leading = re.match(r"\d*", patch)
+    return int(major), int(minor), int(leading.group() or 0) if leading else 0
+
+
+def vllm_features(version: str) -> dict[str, bool]:
+    """What the sidecar may rely on, by vLLM version (vllm-scale-out-protocol.md §10)."""
+    at_least_0_33 = parse_version(version) >= (0, 33, 0)
+    return {
+        "generate_output_mode_derender": at_least_0_33,  # /inference/v1/generate output_mode="derender"
+        "render_hoists_kv_transfer_params": at_least_0_33,  # else inside sampling_params.extra_args
+        "render_parse_context": at_least_0_33,
+    }
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys and no spaces: equal configs give byte-equal flags (and hashes)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))

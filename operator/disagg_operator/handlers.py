@@ -1,0 +1,207 @@
+"""kopf handlers: thin glue from watch events to ``reconcile.converge``.
+
+- DisaggregatedModel create/update/resume → converge, Events for what changed, status via kopf's patch.
+- An owned child changes or disappears → put back what we own in that child (a deleted one is
+  recreated, an edited field restored) and refresh the owner's status from the Deployments.
+  Children are found in an in-memory index, never by listing the API.
+- No finalizer: children carry controller ownerReferences, so deleting a model garbage-collects them.
+Status writes never trigger the update handler (kopf ignores status changes), and a pass with
+nothing to change writes nothing, so there is no hot loop and an operator restart is silent.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kopf
+
+from disagg_operator import drift
+from disagg_operator.apply import ApplyError, KubeApi
+from disagg_operator.objects import MANAGED_KINDS, names
+from disagg_operator.reconcile import Outcome, converge, model_status, restore_child
+from disagg_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from disagg_operator.status import status_patch
+
+CHILD_FILTER = {names.MANAGED_BY: names.OPERATOR, names.INSTANCE: kopf.PRESENT}
+RETRY_SECONDS = 10
+WORKERS = 32  # threads for sync handlers, and API connections to match
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy(dict(body))
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.posting.loggers = False  # Events only for what we report explicitly, not every log line
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
+    settings.execution.max_workers = WORKERS  # sync handlers; many models may converge at once
+    memo.api = KubeApi.from_environment(connections=WORKERS)
+    # The status each model was last given by this process. The models index may lag behind our
+    # own writes; diffing against it would repeat writes during bursts of child events.
+    memo.statuses = {}
+    memo.status_writer = StatusWriter()
+
+
+# --- indices: what the handlers read instead of listing the API --------------------------------
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def models(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(namespace, name): _plain(body)}
+
+
+def _index_child(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(namespace, labels[names.INSTANCE]): _plain(body)}
+
+
+for _api_version, _kind, _plural in MANAGED_KINDS:
+    _group, _, _version = _api_version.rpartition("/")
+    _resource = (_group, _version, _plural) if _group else (_version, _plural)
+    kopf.index(*_resource, id="children", labels=CHILD_FILTER)(_index_child)
+
+
+def _live(children: kopf.Index, namespace: str, name: str) -> dict[drift.Key, dict[str, Any]]:
+    return {drift.key_of(obj): obj for obj in children.get((namespace, name), [])}
+
+
+def _reference(doc: Mapping[str, Any]) -> dict[str, Any]:
+    meta = doc["metadata"]
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
+
+
+def _report(doc: Mapping[str, Any], outcome: Outcome, reason: str) -> None:
+    ref = _reference(doc)
+    if outcome.invalid:
+        kopf.warn(ref, reason="InvalidSpec", message=outcome.invalid)
+    if outcome.applied:
+        kopf.info(ref, reason=reason, message=", ".join(outcome.applied))
+    if outcome.pruned:
+        kopf.info(ref, reason="Pruned", message=", ".join(outcome.pruned))
+
+
+def _converge(doc: Mapping[str, Any], children: kopf.Index, memo: kopf.Memo) -> Outcome:
+    meta = doc["metadata"]
+    try:
+        outcome = converge(doc, _live(children, meta["namespace"], meta["name"]), memo.api, now=_now())
+    except ApplyError as exc:
+        kopf.warn(_reference(doc), reason="ApplyFailed", message=str(exc))
+        if exc.permanent:
+            raise kopf.PermanentError(str(exc)) from exc
+        raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from exc
+    _report(doc, outcome, reason="Applied")
+    return outcome
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, models: kopf.Index, children: kopf.Index,
+              **_: Any) -> None:
+    doc = _plain(body)
+    meta = doc["metadata"]
+    outcome = _converge(doc, children, memo)
+    if outcome.invalid:
+        changes = status_patch(doc.get("status"), outcome.status)
+        if changes:
+            patch.status.update(changes)
+        raise kopf.PermanentError(outcome.invalid)  # retrying cannot fix the spec; the next edit will
+    # Status goes through the same per-model writer as child events, which recomputes it from the
+    # live state when it writes: a status computed here could otherwise land after a fresher one.
+    memo.status_writer.submit((meta["namespace"], meta["name"]),
+                              lambda: _refresh_status(meta["namespace"], meta["name"], memo, models, children))
+
+
+# --- the children ------------------------------------------------------------------------------
+
+def child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo,
+                  models: kopf.Index, children: kopf.Index, **_: Any) -> None:
+    owners = list(models.get((namespace, labels.get(names.INSTANCE, "")), []))
+    if not owners:
+        return  # the model is gone: garbage collection removes its children
+    doc = owners[0]
+    meta = doc["metadata"]
+    if meta.get("deletionTimestamp") or not drift.owned_by(body, meta["uid"]):
+        return
+    deleted = event.get("type") == "DELETED"
+    # The model's own DELETED event may not have reached its index yet (separate watch streams):
+    # do not bring back a child that garbage collection is removing.
+    if deleted and not memo.api.model_exists(namespace, meta["name"], meta["uid"]):
+        return
+    try:
+        restored = restore_child(doc, _plain(body), deleted, memo.api)
+    except ApplyError as exc:
+        kopf.warn(_reference(doc), reason="RestoreFailed", message=str(exc))
+        return  # the next event for this child, or the model's own handler, tries again
+    if restored:
+        kopf.info(_reference(doc), reason="Restored", message=", ".join(restored))
+    # Only Deployments carry what the status reports; other children matter only when restored.
+    if body.get("kind") == "Deployment" or restored:
+        memo.status_writer.submit((namespace, meta["name"]), lambda: _refresh_status(namespace, meta["name"], memo,
+                                                                                     models, children))
+
+
+def _refresh_status(namespace: str, name: str, memo: kopf.Memo, models: kopf.Index, children: kopf.Index) -> None:
+    """Write the model's status as the live Deployments show it now, if that differs."""
+    owners = list(models.get((namespace, name), []))
+    if not owners:
+        return
+    doc = owners[0]
+    key = (namespace, name)
+    known = memo.statuses.get(key)  # what we last wrote; the index may not show it yet
+    if known is not None and known.get("observedGeneration") == doc["metadata"].get("generation"):
+        doc = {**doc, "status": {**(doc.get("status") or {}), **known}}
+    status = model_status(doc, _live(children, namespace, name), now=_now())
+    if status is None:
+        return
+    changes = status_patch(doc.get("status"), status)
+    if changes:
+        memo.api.patch_status(namespace, name, changes)
+        memo.statuses[key] = status
+
+
+class StatusWriter:
+    """Coalesces status writes per model: while one write is in flight, later requests collapse into
+    a single follow-up that recomputes from the then-current state (bursts of Deployment events
+    during a rollout become a few writes, and the last one always reflects the latest state)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: set[tuple[str, str]] = set()
+        self._again: dict[tuple[str, str], Callable[[], None]] = {}
+
+    def submit(self, key: tuple[str, str], write: Callable[[], None]) -> None:
+        with self._lock:
+            if key in self._busy:
+                self._again[key] = write
+                return
+            self._busy.add(key)
+        current: Callable[[], None] | None = write
+        try:
+            while current is not None:
+                current()
+                with self._lock:
+                    current = self._again.pop(key, None)
+                    if current is None:
+                        self._busy.discard(key)
+        except BaseException:
+            with self._lock:
+                self._busy.discard(key)
+                self._again.pop(key, None)
+            raise
+
+
+for _api_version, _kind, _plural in MANAGED_KINDS:
+    _group, _, _version = _api_version.rpartition("/")
+    _resource = (_group, _version, _plural) if _group else (_version, _plural)
+    kopf.on.event(*_resource, id=f"child-{_plural}", labels=CHILD_FILTER)(child_changed)

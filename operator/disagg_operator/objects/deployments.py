@@ -1,0 +1,176 @@
+"""One Deployment per active pool; decode pods also run the routing sidecar in front of vLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_operator import engine_args
+from disagg_operator.objects import names
+from disagg_operator.plan import KV_SHARED_PATH, MODEL_MOUNT_ROOT, Plan, PoolPlan, Role
+
+SIDECAR_CONFIG_DIR = "/etc/disagg"
+SIDECAR_CONFIG_FILE = "sidecar.yaml"
+SIDECAR_COMMAND = ["disagg", "sidecar", "--config", f"{SIDECAR_CONFIG_DIR}/{SIDECAR_CONFIG_FILE}"]
+CACHE_DIR = "/var/cache/disagg"  # writable scratch: HF cache, HOME of non-root containers
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+NON_ROOT_UID = 1000
+DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced
+
+_RESTRICTED = {
+    "runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID,
+    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _probe(path: str, port: str, period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
+    argv = pool.argv(plan.model)
+    launcher = engine_args.launcher_argv(pool.launcher)
+    ports = [{"name": names.ENGINE_PORT, "containerPort": pool.port, "protocol": "TCP"}]
+    ports += [{"name": names.nixl_port_name(rank), "containerPort": port, "protocol": "TCP"}
+              for rank, port in enumerate(pool.side_channel_ports)]
+    env = [e.to_k8s() for e in pool.env]
+    env += [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
+    mounts = [{"name": "cache", "mountPath": CACHE_DIR}]
+    if not pool.gpu:
+        env.append({"name": "HOME", "value": CACHE_DIR})  # the non-root user has no home directory
+    if pool.uses_chat_template and plan.chat_template:
+        mounts.append({"name": "chat-template", "mountPath": plan.chat_template.path.rsplit("/", 1)[0],
+                       "readOnly": True})
+    if plan.model.claim:
+        mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT_ROOT}/{plan.model.claim}", "readOnly": True})
+    if pool.kv_shared_claim:
+        mounts.append({"name": "kv-shared", "mountPath": KV_SHARED_PATH})
+    if pool.gpu:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # NCCL/TP workers need more than 64Mi
+    container: dict[str, Any] = {
+        "name": names.VLLM_CONTAINER,
+        "image": pool.image,
+        "command": launcher,
+        "args": argv[len(launcher):],
+        "ports": ports,
+        "env": env,
+        "volumeMounts": mounts,
+        "startupProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, max(1, pool.startup_seconds // 10)),
+        "readinessProbe": _probe(pool.health_path, names.ENGINE_PORT, 5, 3),
+        "livenessProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, 6, timeout=5),
+    }
+    if pool.image_pull_policy:
+        container["imagePullPolicy"] = pool.image_pull_policy
+    if pool.resources:
+        container["resources"] = dict(pool.resources)
+    if not pool.gpu:
+        container["securityContext"] = dict(_RESTRICTED)
+    return container
+
+
+def _sidecar_container(plan: Plan) -> dict[str, Any]:
+    sidecar = plan.sidecar
+    mounts = [{"name": "sidecar-config", "mountPath": SIDECAR_CONFIG_DIR, "readOnly": True}]
+    if plan.disaggregated:  # prefill discovery reads EndpointSlices; only this container gets a token
+        mounts.append({"name": "api-token", "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": names.SIDECAR_CONTAINER,
+        "image": sidecar.image,
+        "command": list(SIDECAR_COMMAND),
+        "ports": [{"name": names.HTTP_PORT, "containerPort": sidecar.port, "protocol": "TCP"}],
+        "volumeMounts": mounts,
+        "readinessProbe": _probe(sidecar.health_path, names.HTTP_PORT, 5, 3),
+        "resources": dict(sidecar.resources or DEFAULT_SIDECAR_RESOURCES),
+        "securityContext": {**_RESTRICTED, "readOnlyRootFilesystem": True},
+    }
+    if plan.spec.engine.image_pull_policy:
+        container["imagePullPolicy"] = plan.spec.engine.image_pull_policy
+    return container
+
+
+def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}]
+    template = plan.chat_template
+    if pool.uses_chat_template and template:
+        filename = template.path.rsplit("/", 1)[1]
+        source = (template.config_map, template.key) if template.config_map else (
+            names.config_map(plan.name), filename)
+        volumes.append({"name": "chat-template", "configMap": {
+            "name": source[0], "items": [{"key": source[1], "path": filename}]}})
+    if plan.model.claim:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": plan.model.claim, "readOnly": True}})
+    if pool.kv_shared_claim:
+        volumes.append({"name": "kv-shared", "persistentVolumeClaim": {"claimName": pool.kv_shared_claim}})
+    if pool.gpu:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if pool.role == Role.DECODE:
+        volumes.append({"name": "sidecar-config", "configMap": {
+            "name": names.config_map(plan.name), "items": [{"key": SIDECAR_CONFIG_FILE, "path": SIDECAR_CONFIG_FILE}]}})
+        if plan.disaggregated:
+            volumes.append({"name": "api-token", "projected": {"sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+            ]}})
+    return volumes
+
+
+def _strategy(pool: PoolPlan) -> dict[str, Any]:
+    # GPU pools that can spare a pod roll without asking for an extra GPU; the rest surge by one.
+    floor = pool.autoscaling.min_replicas if pool.autoscaling else pool.replicas
+    if pool.gpu and floor >= 2:
+        rolling = {"maxSurge": 0, "maxUnavailable": 1}
+    else:
+        rolling = {"maxSurge": 1, "maxUnavailable": 0}
+    return {"type": "RollingUpdate", "rollingUpdate": rolling}
+
+
+def deployment(plan: Plan, pool: PoolPlan, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    containers = [_vllm_container(plan, pool)]
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "containers": containers,
+        "volumes": _volumes(plan, pool),
+    }
+    if pool.role == Role.DECODE:
+        containers.append(_sidecar_container(plan))
+        pod["terminationGracePeriodSeconds"] = DECODE_GRACE_SECONDS
+        if plan.disaggregated:
+            pod["serviceAccountName"] = names.sidecar_account(plan.name)
+    if pool.gpu:
+        pod["securityContext"] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    else:
+        pod["securityContext"] = {"runAsNonRoot": True, "fsGroup": NON_ROOT_UID,
+                                  "seccompProfile": {"type": "RuntimeDefault"}}
+    if pool.node_selector:
+        pod["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod["tolerations"] = [dict(t) for t in pool.tolerations]
+    if pool.affinity:
+        pod["affinity"] = dict(pool.affinity)
+
+    spec: dict[str, Any] = {"replicas": pool.replicas} if pool.autoscaling is None else {}  # else the HPA owns it
+    spec |= {
+        "selector": {"matchLabels": names.selector(plan.name, pool.role)},
+        "revisionHistoryLimit": 3,
+        "strategy": _strategy(pool),
+        "template": {
+            "metadata": {
+                "labels": names.labels(plan.name, pool.role),
+                "annotations": {names.CONFIG_HASH: pool.config_hash},
+            },
+            "spec": pod,
+        },
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            **names.metadata(plan.name, plan.namespace, pool.name, pool.role, owner),
+            "annotations": {names.CONFIG_HASH: pool.config_hash},
+        },
+        "spec": spec,
+    }

@@ -1,0 +1,135 @@
+"""Convergence for one DisaggregatedModel: desired objects vs live ones, then status.
+
+Level-based and idempotent: ``converge`` applies only what is missing or differs, prunes only
+what the model controls and no longer wants, and computes the status from what it saw (spec
+changes, operator start). ``restore_child`` repairs the one child an event is about and refreshes
+the status (child events). The Kubernetes API is reached only through ``api`` (``apply.KubeApi``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from disagg_operator import drift
+from disagg_operator.objects import build_objects, names
+from disagg_operator.plan import Plan, build_plan
+from disagg_operator.spec import API_VERSION, KIND, SpecError, parse_manifest
+from disagg_operator.status import compute_status, invalid_status
+
+
+class Api(Protocol):
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def delete(self, obj: Mapping[str, Any]) -> None: ...
+
+
+@dataclass
+class Outcome:
+    status: dict[str, Any]
+    applied: list[str] = field(default_factory=list)  # "Kind/name" of objects created or changed
+    pruned: list[str] = field(default_factory=list)
+    invalid: str | None = None  # the spec cannot be served (nothing was applied)
+
+
+def _label(obj: Mapping[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+class _DesiredCache:
+    """Plans by (uid, generation): a generation's spec never changes, and child events are many."""
+
+    def __init__(self, size: int = 512):
+        self._size = size
+        self._items: OrderedDict[tuple[str, int], tuple[Plan, list[dict[str, Any]]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, doc: Mapping[str, Any]) -> tuple[Plan, list[dict[str, Any]]]:
+        meta = doc["metadata"]
+        key = (meta["uid"], int(meta.get("generation") or 0))
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        manifest = parse_manifest(doc)  # SpecError propagates; invalid specs are not cached
+        plan = build_plan(manifest.spec, manifest.name, meta["namespace"])
+        value = plan, build_objects(plan, names.owner_reference(API_VERSION, KIND, meta["name"], meta["uid"]))
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
+
+
+_desired = _DesiredCache().get
+
+
+def _status(plan: Plan, doc: Mapping[str, Any], seen: Mapping[drift.Key, Mapping[str, Any]], now: str) -> dict[str, Any]:
+    deployments = {key[3]: obj for key, obj in seen.items() if key[1] == "Deployment"}
+    return compute_status(plan, deployments, generation=int(doc["metadata"].get("generation") or 0),
+                          previous=doc.get("status") or {}, now=now)
+
+
+def _apply(api: Api, obj: Mapping[str, Any], live: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """Apply ``obj``; whether that wrote anything (our view of ``live`` may lag behind the watch)."""
+    fresh = api.apply(obj)
+    before = (live or {}).get("metadata", {}).get("resourceVersion")
+    return fresh, fresh.get("metadata", {}).get("resourceVersion") != before
+
+
+def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]], api: Api, *, now: str) -> Outcome:
+    """Make all children of ``doc`` (a DisaggregatedModel as stored) match its spec."""
+    meta = doc["metadata"]
+    try:
+        plan, desired = _desired(doc)
+    except SpecError as exc:
+        message = "; ".join(exc.problems)
+        generation = int(meta.get("generation") or 0)
+        return Outcome(invalid_status(message, generation=generation, previous=doc.get("status"), now=now),
+                       invalid=message)
+
+    current = {k: v for k, v in live.items() if drift.owned_by(v, meta["uid"])}
+    seen: dict[drift.Key, Mapping[str, Any]] = dict(current)
+    outcome = Outcome(status={})
+    for obj in drift.to_apply(desired, current):
+        key = drift.key_of(obj)
+        seen[key], wrote = _apply(api, obj, current.get(key))
+        if wrote:
+            outcome.applied.append(_label(obj))
+    for obj in drift.to_prune(desired, current, meta["uid"]):
+        api.delete(obj)
+        seen.pop(drift.key_of(obj), None)
+        outcome.pruned.append(_label(obj))
+    outcome.status = _status(plan, doc, seen, now)
+    return outcome
+
+
+def model_status(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]], *, now: str) -> dict[str, Any] | None:
+    """The status ``doc`` should have given its live children (None when its spec is invalid)."""
+    try:
+        plan, _ = _desired(doc)
+    except SpecError:
+        return None
+    return _status(plan, doc, {k: v for k, v in live.items() if drift.owned_by(v, doc["metadata"]["uid"])}, now)
+
+
+def restore_child(doc: Mapping[str, Any], child: Mapping[str, Any], deleted: bool, api: Api) -> list[str]:
+    """One child of ``doc`` changed or vanished: put back what we own in it; what was written.
+
+    Only that child is touched (a change to one object cannot drift another); creating and
+    pruning children is ``converge``'s job. Nothing happens when ``doc``'s spec is invalid (its
+    own handler reports that).
+    """
+    try:
+        _, desired = _desired(doc)
+    except SpecError:
+        return []
+    key = drift.key_of(child)
+    want = next((obj for obj in desired if drift.key_of(obj) == key), None)
+    if want is None or not (deleted or not drift.covers(child, want)):
+        return []
+    _, wrote = _apply(api, want, None if deleted else child)
+    return [_label(want)] if wrote else []

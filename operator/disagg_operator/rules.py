@@ -1,0 +1,292 @@
+"""Validation rules, each written once: where it applies, its CEL expression, its message, its Python check.
+
+``crd.py`` puts every rule into the CRD as ``x-kubernetes-validations`` on the schema node of its
+target model, and ``spec.py`` runs the same rules as pydantic validators, so ``kubectl apply`` and
+``disagg manifests``/local mode reject a bad spec with the same words.
+
+Conventions that keep the two sides equal:
+- A rule's ``target`` is the pydantic model class name whose schema node carries it (``self`` in CEL
+  is that object); ``ROOT`` is the whole DisaggregatedModel object (for metadata.name).
+- The API server applies schema defaults before CEL runs, and pydantic applies the same defaults,
+  so a rule may read a defaulted field without ``has()``. Optional fields (no default) need ``has()``
+  in CEL and ``is None`` in Python.
+- Rules never depend on list order or on anything outside their target.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from disagg_operator import engine_args
+
+ROOT = "DisaggregatedModel"
+
+# Oldest vLLM whose scale-out API (launch render, --tokens-only, --enable-scale-out gating,
+# --renderer-num-workers) matches what the plan emits (vllm-scale-out-protocol.md §1, §10).
+MIN_VLLM = (0, 32)
+
+MAX_NAME_LENGTH = 54  # "<name>-derender" must still be a 63-character DNS label
+
+NAME_RE = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+SOURCE_RE = (
+    r"^(hf://([A-Za-z0-9][-A-Za-z0-9._]*/)?[A-Za-z0-9][-A-Za-z0-9._]*"
+    r"|pvc://[a-z0-9]([-.a-z0-9]*[a-z0-9])?(/[^ ]*)?"
+    r"|~?/[^ ]*)$"  # ~/PATH: local mode expands it (a Kubernetes pod has no home of yours)
+)
+VERSION_RE = r"^[0-9]+[.][0-9]+[.][0-9]+([-+.a-z][-+.a-z0-9]*)?$"
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    target: str
+    cel: str
+    message: str
+    check: Callable[[Any], bool]  # True when valid; gets the target model instance (ROOT: the name)
+    field_path: str | None = None  # where the API server reports the error, relative to the target
+
+
+# --- helpers that spell one idea in both languages ---------------------------------------------
+
+def _cel_list(values: Iterable[str]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+def _cel_no_flags(field: str, flags: Iterable[str]) -> str:
+    # Mirrors engine_args.flag_name(): text before '=', before '.', with '_' read as '-'.
+    # An unset list has no schema default (to keep stored objects small), hence has().
+    return (
+        f"!has(self.{field}) || "
+        f"self.{field}.all(a, !(a.split('=')[0].split('.')[0].replace('_', '-') in {_cel_list(flags)}))"
+    )
+
+
+def _no_flags(args: Iterable[str], flags: Iterable[str]) -> bool:
+    forbidden = set(flags)
+    return all(engine_args.flag_name(a) not in forbidden for a in args)
+
+
+def _cel_port(field: str, low: int) -> str:
+    return f"self.{field} >= {low} && self.{field} <= 65535"
+
+
+def _port(value: int, low: int) -> bool:
+    return low <= value <= 65535
+
+
+def _re(pattern: str, value: str) -> bool:
+    # CEL's matches() searches; every pattern here is anchored, so search == fullmatch.
+    return re.search(pattern, value) is not None
+
+
+def _version_ok(version: str) -> bool:
+    if not _re(VERSION_RE, version):
+        return False
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return major > 0 or minor >= MIN_VLLM[1]
+
+
+_FLAGS_EVERYWHERE = engine_args.OWNED_FLAGS
+_FLAGS_IN_POOLS = engine_args.OWNED_FLAGS + engine_args.SHARED_ONLY_FLAGS
+_POOL_TARGETS = ("GPUPoolSpec", "CPUPoolSpec")
+
+
+def _pool_rules(target: str) -> list[Rule]:
+    return [
+        Rule(
+            f"{target}.replicas", target, "self.replicas >= 0",
+            "replicas must be 0 or more (0 turns the pool off)",
+            lambda p: p.replicas >= 0, ".replicas",
+        ),
+        Rule(
+            f"{target}.autoscaling-needs-replicas", target, "!has(self.autoscaling) || self.replicas >= 1",
+            "autoscaling needs replicas of at least 1: a pool with 0 replicas is off",
+            lambda p: p.autoscaling is None or p.replicas >= 1, ".autoscaling",
+        ),
+        Rule(
+            f"{target}.extra-args", target, _cel_no_flags("extraArgs", _FLAGS_IN_POOLS),
+            "extraArgs must not set flags Disagg derives from the spec or that every tier must share "
+            f"({', '.join(_FLAGS_IN_POOLS)}); use the spec fields or model.engineArgs",
+            lambda p: _no_flags(p.extra_args, _FLAGS_IN_POOLS), ".extraArgs",
+        ),
+    ]
+
+
+RULES: tuple[Rule, ...] = (
+    # --- the object ------------------------------------------------------------------------------
+    Rule(
+        "name", ROOT,
+        f"self.metadata.name.matches('{NAME_RE}') && size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+        f"metadata.name must be a DNS label of at most {MAX_NAME_LENGTH} characters (lowercase letters, "
+        "digits, '-', starting with a letter): it prefixes the names of Services such as <name>-derender",
+        lambda name: _re(NAME_RE, name) and len(name) <= MAX_NAME_LENGTH,
+    ),
+    # --- spec: cross-field -----------------------------------------------------------------------
+    Rule(
+        "prefill-needs-connector", "DisaggregatedModelSpec",
+        f"self.pools.prefill.replicas == 0 || self.kvTransfer.connector != '{engine_args.NO_CONNECTOR}'",
+        "pools.prefill.replicas > 0 needs a KV connector: set kvTransfer.connector to NixlConnector or "
+        "ExampleConnector, or set pools.prefill.replicas to 0 to prefill on decode",
+        lambda s: s.pools.prefill.replicas == 0 or s.kv_transfer.connector != engine_args.NO_CONNECTOR,
+        ".kvTransfer.connector",
+    ),
+    Rule(
+        "distinct-ports", "DisaggregatedModelSpec",
+        "self.router.port != self.engine.port && self.router.port != self.kvTransfer.sideChannelPort "
+        "&& self.engine.port != self.kvTransfer.sideChannelPort",
+        "router.port, engine.port and kvTransfer.sideChannelPort must all differ: they share the decode pod's network",
+        lambda s: len({s.router.port, s.engine.port, s.kv_transfer.side_channel_port}) == 3,
+        ".router.port",
+    ),
+    # --- model -----------------------------------------------------------------------------------
+    Rule(
+        "model.source", "ModelSpec", f"self.source.matches('{SOURCE_RE}')",
+        "model.source must be hf://[ORG/]NAME, pvc://CLAIM[/PATH], an absolute path or ~/PATH (local mode)",
+        lambda m: _re(SOURCE_RE, m.source), ".source",
+    ),
+    Rule(
+        "model.max-model-len", "ModelSpec", "!has(self.maxModelLen) || self.maxModelLen > 0",
+        "model.maxModelLen must be greater than 0",
+        lambda m: m.max_model_len is None or m.max_model_len > 0, ".maxModelLen",
+    ),
+    Rule(
+        "model.auto-tool-choice-needs-parser", "ModelSpec",
+        "!self.enableAutoToolChoice || has(self.toolCallParser)",
+        "model.enableAutoToolChoice needs model.toolCallParser (vLLM refuses to start without it)",
+        lambda m: not m.enable_auto_tool_choice or m.tool_call_parser is not None, ".enableAutoToolChoice",
+    ),
+    Rule(
+        "model.engine-args", "ModelSpec", _cel_no_flags("engineArgs", _FLAGS_EVERYWHERE),
+        "model.engineArgs must not set flags Disagg derives from the spec "
+        f"({', '.join(_FLAGS_EVERYWHERE)}); use the spec fields",
+        lambda m: _no_flags(m.engine_args, _FLAGS_EVERYWHERE), ".engineArgs",
+    ),
+    Rule(
+        "chat-template.one-source", "ChatTemplate", "has(self.inline) != has(self.configMapRef)",
+        "model.chatTemplate needs exactly one of inline or configMapRef",
+        lambda t: (t.inline is None) != (t.config_map_ref is None),
+    ),
+    Rule(
+        "env.one-value", "EnvVar", "!(has(self.value) && has(self.valueFrom))",
+        "an env entry sets value or valueFrom, not both",
+        lambda e: not (e.value is not None and e.value_from is not None),
+    ),
+    # --- engine ----------------------------------------------------------------------------------
+    Rule(
+        "engine.vllm-version", "EngineSpec",
+        f"self.vllmVersion.matches('{VERSION_RE}') && (int(self.vllmVersion.split('.')[0]) > 0 "
+        f"|| int(self.vllmVersion.split('.')[1]) >= {MIN_VLLM[1]})",
+        f"engine.vllmVersion must be a version MAJOR.MINOR.PATCH, {MIN_VLLM[0]}.{MIN_VLLM[1]}.0 or newer",
+        lambda e: _version_ok(e.vllm_version), ".vllmVersion",
+    ),
+    Rule(
+        "engine.port", "EngineSpec", _cel_port("port", 1024),
+        "engine.port must be between 1024 and 65535 (render pods run as non-root)",
+        lambda e: _port(e.port, 1024), ".port",
+    ),
+    # --- KV transfer -----------------------------------------------------------------------------
+    Rule(
+        "kv.connector", "KVTransferSpec", f"self.connector in {_cel_list(engine_args.KV_CONNECTORS)}",
+        f"kvTransfer.connector must be one of {', '.join(engine_args.KV_CONNECTORS)}",
+        lambda k: k.connector in engine_args.KV_CONNECTORS, ".connector",
+    ),
+    Rule(
+        "kv.side-channel-port", "KVTransferSpec", _cel_port("sideChannelPort", 1024),
+        "kvTransfer.sideChannelPort must be between 1024 and 65535",
+        lambda k: _port(k.side_channel_port, 1024), ".sideChannelPort",
+    ),
+    # --- pools -----------------------------------------------------------------------------------
+    Rule(
+        "pools.decode-replicas", "PoolsSpec", "self.decode.replicas >= 1",
+        "pools.decode.replicas must be at least 1: decode serves every request",
+        lambda p: p.decode.replicas >= 1, ".decode.replicas",
+    ),
+    Rule(
+        "pools.derender-needs-render", "PoolsSpec", "!has(self.derender) || self.render.replicas >= 1",
+        "a separate derender pool needs the render tier (pools.render.replicas of at least 1); "
+        "remove pools.derender to let decode detokenize",
+        lambda p: p.derender is None or p.render.replicas >= 1, ".derender",
+    ),
+    *(rule for target in _POOL_TARGETS for rule in _pool_rules(target)),
+    Rule(
+        "parallelism.tensor", "Parallelism", "self.tensor >= 1",
+        "parallelism.tensor must be at least 1", lambda p: p.tensor >= 1, ".tensor",
+    ),
+    Rule(
+        "parallelism.data", "Parallelism", "self.data >= 1",
+        "parallelism.data must be at least 1", lambda p: p.data >= 1, ".data",
+    ),
+    Rule(
+        "cpu-pool.renderer-workers", "CPUPoolSpec", "self.rendererWorkers >= 1",
+        "rendererWorkers must be at least 1", lambda p: p.renderer_workers >= 1, ".rendererWorkers",
+    ),
+    Rule(
+        "autoscaling.min", "Autoscaling", "self.minReplicas >= 1",
+        "autoscaling.minReplicas must be at least 1", lambda a: a.min_replicas >= 1, ".minReplicas",
+    ),
+    Rule(
+        "autoscaling.min-le-max", "Autoscaling", "self.minReplicas <= self.maxReplicas",
+        "autoscaling.minReplicas must not be greater than autoscaling.maxReplicas",
+        lambda a: a.min_replicas <= a.max_replicas, ".maxReplicas",
+    ),
+    Rule(
+        "autoscaling.one-target", "Autoscaling",
+        "!(has(self.targetCPUUtilizationPercentage) && has(self.metrics))",
+        "autoscaling sets targetCPUUtilizationPercentage or metrics, not both",
+        lambda a: not (a.target_cpu_utilization_percentage is not None and a.metrics is not None),
+    ),
+    Rule(
+        "autoscaling.cpu-target", "Autoscaling",
+        "!has(self.targetCPUUtilizationPercentage) || self.targetCPUUtilizationPercentage > 0",
+        "autoscaling.targetCPUUtilizationPercentage must be greater than 0",
+        lambda a: a.target_cpu_utilization_percentage is None or a.target_cpu_utilization_percentage > 0,
+        ".targetCPUUtilizationPercentage",
+    ),
+    # --- router ----------------------------------------------------------------------------------
+    Rule(
+        "router.port", "RouterSpec", _cel_port("port", 1024),
+        "router.port must be between 1024 and 65535 (the sidecar runs as non-root)",
+        lambda r: _port(r.port, 1024), ".port",
+    ),
+    Rule(
+        "router.retries", "RouterSpec", "self.retries >= 0 && self.retries <= 5",
+        "router.retries must be between 0 and 5", lambda r: 0 <= r.retries <= 5, ".retries",
+    ),
+    Rule(
+        "router.max-body-bytes", "RouterSpec", "self.maxBodyBytes >= 1024",
+        "router.maxBodyBytes must be at least 1024", lambda r: r.max_body_bytes >= 1024, ".maxBodyBytes",
+    ),
+    Rule(
+        "router.timeouts", "RouterTimeouts",
+        "self.connectSeconds > 0 && self.renderSeconds > 0 && self.prefillSeconds > 0 && self.decodeSeconds > 0",
+        "router.timeouts must all be greater than 0 seconds",
+        lambda t: min(t.connect_seconds, t.render_seconds, t.prefill_seconds, t.decode_seconds) > 0,
+    ),
+    Rule(
+        "router.service-port", "RouterService", _cel_port("port", 1),
+        "router.service.port must be between 1 and 65535", lambda s: _port(s.port, 1), ".port",
+    ),
+)
+
+
+def rules_for(target: str) -> tuple[Rule, ...]:
+    return tuple(r for r in RULES if r.target == target)
+
+
+def failures(target: str, value: Any) -> list[Rule]:
+    """The rules of ``target`` that ``value`` breaks."""
+    return [r for r in rules_for(target) if not r.check(value)]
+
+
+def cel_validations(target: str) -> list[dict[str, str]]:
+    """``x-kubernetes-validations`` entries for a schema node."""
+    out = []
+    for r in rules_for(target):
+        entry = {"rule": r.cel, "message": r.message}
+        if r.field_path:
+            entry["fieldPath"] = r.field_path
+        out.append(entry)
+    return out

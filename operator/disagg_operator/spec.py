@@ -1,0 +1,310 @@
+"""The ``disagg.dev/v1alpha1`` ``DisaggregatedModel`` API as pydantic models.
+
+These models are the single definition of the API: the CRD schema is generated from them
+(``crd.py``), the operator and ``disagg manifests`` parse custom resources with them, and local
+mode reads the same YAML. Field names are camelCase on the wire (aliases) and snake_case in
+Python. Cross-field and range checks live in ``rules.py`` so the CRD's CEL rules and these
+validators share one table and one set of messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from disagg_operator import engine_args, rules
+
+GROUP = "disagg.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DisaggregatedModel"
+PLURAL = "disaggregatedmodels"
+SINGULAR = "disaggregatedmodel"
+SHORT_NAMES = ("dm",)
+
+DEFAULT_VLLM_VERSION = "0.33.0"
+DEFAULT_GPU_IMAGE = f"vllm/vllm-openai:v{DEFAULT_VLLM_VERSION}"
+DEFAULT_CPU_IMAGE = f"vllm/vllm-openai-cpu:v{DEFAULT_VLLM_VERSION}"
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/disagg/disagg:v0.1.0"
+
+# Bounds that keep CEL cost estimates finite (the API server rejects unbounded list/string rules).
+MAX_ARGS = 64
+MAX_ARG_LENGTH = 4096
+
+# Kubernetes objects we pass through untouched (resources, affinity, tolerations, valueFrom, ...).
+KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LENGTH)]
+Args = Annotated[list[Arg], Field(max_length=MAX_ARGS)]
+ShortString = Annotated[str, StringConstraints(max_length=256)]
+
+
+class WireModel(BaseModel):
+    """Base of every API object: camelCase on the wire, unknown fields rejected, rules enforced."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+    @model_validator(mode="after")
+    def _apply_rules(self) -> WireModel:
+        broken = rules.failures(type(self).__name__, self)
+        if broken:
+            raise PydanticCustomError(
+                "disagg_rule", "{summary}",
+                {"summary": "; ".join(r.message for r in broken), "rules": [r.id for r in broken]},
+            )
+        return self
+
+
+# --- model -----------------------------------------------------------------------------------
+
+class EnvVar(WireModel):
+    """An environment variable, as in a Kubernetes container (value or valueFrom)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    value: str | None = None
+    value_from: KubeObject | None = Field(None, description="A Kubernetes EnvVarSource (secretKeyRef, fieldRef, ...).")
+
+
+EnvList = Annotated[
+    list[EnvVar],
+    Field(max_length=MAX_ARGS, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}),
+]
+
+
+class ConfigMapKeyRef(WireModel):
+    """A key of a ConfigMap in the DisaggregatedModel's namespace."""
+
+    name: ShortString
+    key: ShortString = "chat-template.jinja"
+
+
+class ChatTemplate(WireModel):
+    """The chat template every tokenizing tier uses: inline Jinja or a ConfigMap key (exactly one)."""
+
+    inline: str | None = Field(None, description="Jinja source of the chat template.")
+    config_map_ref: ConfigMapKeyRef | None = Field(None, description="A ConfigMap key holding the template.")
+
+
+class ModelSpec(WireModel):
+    """The model and everything that decides how prompts are rendered and outputs parsed.
+
+    These settings are applied identically to every tier that tokenizes (render, derender, decode)."""
+
+    served_name: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = Field(None, description="Model name clients send; defaults to metadata.name.")
+    source: Annotated[str, StringConstraints(max_length=2048)] = Field(
+        description="Where the weights are: hf://ORG/NAME (Hugging Face), pvc://CLAIM/PATH (a PersistentVolumeClaim "
+        "in the namespace, mounted read-only), an absolute path (inside the image, or on the host in local mode) "
+        "or ~/PATH (local mode only)."
+    )
+    revision: ShortString | None = Field(None, description="Hugging Face revision (branch, tag or commit) for hf:// sources.")
+    max_model_len: int | None = Field(None, description="Context length (--max-model-len); vLLM's default when unset.")
+    chat_template: ChatTemplate | None = Field(None, description="Overrides the model's own chat template.")
+    default_chat_template_kwargs: KubeObject | None = Field(
+        None, description="Default chat-template kwargs, e.g. {enable_thinking: false}."
+    )
+    tool_call_parser: ShortString | None = Field(None, description="vLLM tool-call parser, e.g. hermes.")
+    reasoning_parser: ShortString | None = Field(None, description="vLLM reasoning parser, e.g. qwen3.")
+    enable_auto_tool_choice: bool = Field(False, description="Allow tool_choice=auto (needs toolCallParser).")
+    engine_args: Args = Field(
+        default_factory=list,
+        description="Extra vLLM flags for every tier that loads the model (render tiers accept every serve flag).",
+    )
+    env: EnvList = Field(default_factory=list, description="Environment for every vLLM container.")
+
+
+# --- engine and KV transfer ------------------------------------------------------------------
+
+class EngineSpec(WireModel):
+    """vLLM images and version."""
+
+    gpu_image: ShortString = Field(DEFAULT_GPU_IMAGE, description="Image for the prefill and decode engines.")
+    cpu_image: ShortString = Field(DEFAULT_CPU_IMAGE, description="Image for the render and derender tiers.")
+    vllm_version: Annotated[str, StringConstraints(max_length=64)] = Field(
+        DEFAULT_VLLM_VERSION, description="vLLM version in the images; decides which features and flags are used."
+    )
+    extension: bool = Field(
+        False, description="Enable Disagg's vLLM endpoint plugin on decode (the GPU image must contain the disagg package)."
+    )
+    port: int = Field(8200, description="HTTP port of every vLLM server.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        None, description="Pull policy of every container (vLLM and sidecar); the cluster default when unset."
+    )
+
+
+class KVTransferSpec(WireModel):
+    """How prefill hands KV cache to decode."""
+
+    connector: Annotated[str, StringConstraints(max_length=64)] = Field(
+        engine_args.NIXL, description="NixlConnector (default), ExampleConnector (shared storage) or None."
+    )
+    extra_config: KubeObject | None = Field(None, description="vLLM kv_connector_extra_config.")
+    side_channel_port: int = Field(5600, description="NIXL side-channel port (one more per data-parallel rank).")
+    shared_storage_claim: ShortString | None = Field(
+        None, description="ExampleConnector: a ReadWriteMany PersistentVolumeClaim mounted on prefill and decode "
+        "as the connector's shared_storage_path (without it, KV written by prefill is not visible to decode pods)."
+    )
+
+
+# --- pools -----------------------------------------------------------------------------------
+
+class Autoscaling(WireModel):
+    """A HorizontalPodAutoscaler for the pool."""
+
+    min_replicas: int = 1
+    max_replicas: int
+    target_cpu_utilization_percentage: int | None = Field(
+        None, alias="targetCPUUtilizationPercentage", description="CPU target; 80 when neither this nor metrics is set."
+    )
+    metrics: list[KubeObject] | None = Field(None, max_length=16, description="autoscaling/v2 MetricSpec list.")
+
+
+class Parallelism(WireModel):
+    tensor: int = Field(1, description="--tensor-parallel-size")
+    data: int = Field(1, description="--data-parallel-size (ranks inside one pod)")
+    expert: bool = Field(False, description="--enable-expert-parallel")
+
+
+class PoolSpec(WireModel):
+    """What every pool has: size, placement, role deltas."""
+
+    replicas: int = Field(1, description="Pod count (0 turns the pool off). With autoscaling, the HPA owns the count.")
+    resources: KubeObject | None = Field(None, description="Container resources (requests/limits).")
+    node_selector: dict[str, str] | None = None
+    tolerations: list[KubeObject] | None = Field(None, max_length=MAX_ARGS)
+    affinity: KubeObject | None = None
+    extra_args: Args = Field(default_factory=list, description="vLLM flags for this pool only.")
+    env: EnvList = Field(default_factory=list, description="Environment for this pool's vLLM container.")
+    autoscaling: Autoscaling | None = None
+
+
+class GPUPoolSpec(PoolSpec):
+    """A prefill or decode engine pool."""
+
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+
+
+class CPUPoolSpec(PoolSpec):
+    """A render or derender pool (`vllm launch render` on the CPU image)."""
+
+    renderer_workers: int = Field(4, description="--renderer-num-workers: parallel render/derender workers per pod.")
+
+
+class PoolsSpec(WireModel):
+    prefill: GPUPoolSpec = Field(default_factory=GPUPoolSpec, description="Prefill engines (0 replicas: decode prefills).")
+    decode: GPUPoolSpec = Field(default_factory=GPUPoolSpec, description="Decode engines, each fronted by the sidecar.")
+    render: CPUPoolSpec = Field(default_factory=CPUPoolSpec, description="Render tier (0 replicas: decode renders).")
+    derender: CPUPoolSpec | None = Field(None, description="A separate derender pool; unset: the render pool derenders.")
+
+
+# --- router ----------------------------------------------------------------------------------
+
+class RouterTimeouts(WireModel):
+    connect_seconds: int = 5
+    render_seconds: int = 30
+    prefill_seconds: int = 120
+    decode_seconds: int = 3600
+
+
+class RouterService(WireModel):
+    """The client-facing Service `<name>`."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = 8000
+
+
+class RouterSpec(WireModel):
+    """The sidecar in every decode pod: routes render → prefill → decode → derender."""
+
+    image: ShortString = DEFAULT_SIDECAR_IMAGE
+    port: int = Field(8000, description="Port the sidecar listens on in the decode pod.")
+    prefill_selection: Literal["round-robin", "random", "least-requests"] = "round-robin"
+    trust_prefiller_header: bool = Field(
+        False, description="Honour a client's x-prefiller-host-port header (only for hosts in this model's prefill pool)."
+    )
+    timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
+    retries: int = Field(1, description="Retries of idempotent legs (render, derender, prefill before any byte).")
+    prefill_failure_policy: Literal["fallback", "fail"] = Field(
+        "fallback", description="fallback: decode prefills locally when prefill fails; fail: return an error."
+    )
+    max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest accepted request body.")
+    service: RouterService = Field(default_factory=RouterService)
+    resources: KubeObject | None = Field(None, description="Sidecar container resources.")
+
+
+class DisaggregatedModelSpec(WireModel):
+    """A model served in four tiers: render, prefill, decode, derender, plus the routing sidecar."""
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    pools: PoolsSpec = Field(default_factory=PoolsSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+
+
+# --- parsing with readable errors --------------------------------------------------------------
+
+class SpecError(ValueError):
+    """A DisaggregatedModel that cannot be served; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str], subject: str = "DisaggregatedModel"):
+        self.problems = problems
+        super().__init__(f"invalid {subject}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+_RULES_BY_ID = {r.id: r for r in rules.RULES}
+_FRIENDLY = {"extra_forbidden": "unknown field", "missing": "required field is missing"}
+
+
+def _problems(error: ValidationError, prefix: str) -> list[str]:
+    out = []
+    for item in error.errors():
+        where = ".".join([prefix, *(str(p) for p in item["loc"])])
+        if item["type"] == "disagg_rule":
+            for rule_id in item["ctx"]["rules"]:
+                rule = _RULES_BY_ID[rule_id]
+                out.append(f"{where}{rule.field_path or ''}: {rule.message}")
+        else:
+            out.append(f"{where}: {_FRIENDLY.get(item['type'], item['msg'])}")
+    return out
+
+
+def parse_spec(data: Mapping[str, Any]) -> DisaggregatedModelSpec:
+    """Validate a ``spec`` mapping (camelCase) or raise SpecError with one line per problem."""
+    try:
+        return DisaggregatedModelSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_problems(exc, "spec")) from None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    namespace: str
+    spec: DisaggregatedModelSpec
+
+
+def parse_manifest(doc: Mapping[str, Any], default_namespace: str = "default") -> Manifest:
+    """Validate a whole DisaggregatedModel object (as read from YAML or the API)."""
+    problems = []
+    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != KIND:
+        problems.append(f"apiVersion/kind must be {API_VERSION}/{KIND}, got {doc.get('apiVersion')}/{doc.get('kind')}")
+    meta = doc.get("metadata") or {}
+    name = meta.get("name") or ""
+    for rule in rules.rules_for(rules.ROOT):
+        if not rule.check(name):
+            problems.append(f"metadata.name: {rule.message}")
+    spec = doc.get("spec")
+    if not isinstance(spec, Mapping):
+        problems.append("spec: required field is missing")
+    else:
+        try:
+            parsed = parse_spec(spec)
+        except SpecError as exc:
+            problems += exc.problems
+    if problems:
+        raise SpecError(problems, f"{KIND} {name or '<unnamed>'}")
+    return Manifest(name=name, namespace=meta.get("namespace") or default_namespace, spec=parsed)

@@ -1,0 +1,13 @@
+"""Disagg sidecar: routes OpenAI / GenerateRequest traffic through render -> prefill -> decode -> derender.
+
+Layers (each imports only the ones below it):
+- ``commands`` (``disagg sidecar --config FILE``) > ``app`` (routes, middleware, one ClientSession)
+  > ``handlers`` (thin: read, check, hand over) > ``flows`` (one request through the legs)
+  > ``exchange`` (request context, client stream) > ``upstream`` (legs on the wire, retries, aborts)
+  > ``endpoints``/``discovery`` (which endpoint);
+- pure decisions and shapes: ``plan`` (output mode, prefill route), ``legs`` (per-leg bodies),
+  ``connectors`` (KV params), ``allowlist`` (x-prefiller-host-port), ``streaming`` (SSE, chained
+  derender with coalescing), ``responses``/``usage``/``derender_fixes`` (coupled response shapes);
+- ``config`` (the file), ``wire`` (names), ``errors``, ``metrics``, ``logs``, ``state``, ``keys``.
+Nothing here imports vLLM or torch.
+"""

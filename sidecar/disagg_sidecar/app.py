@@ -1,0 +1,161 @@
+"""``build_app(config)``: routes, middlewares, state and the one upstream ``ClientSession``.
+
+The app is built here and run elsewhere (``commands`` in production, ``web.AppRunner`` in tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from disagg_sidecar import handlers, wire
+from disagg_sidecar.config import SidecarConfig
+from disagg_sidecar.connectors import get_connector
+from disagg_sidecar.discovery import make_source
+from disagg_sidecar.endpoints import EndpointPool
+from disagg_sidecar.errors import SidecarError, error_bytes
+from disagg_sidecar.flows import Flows
+from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
+from disagg_sidecar.logs import request_id_var
+from disagg_sidecar.metrics import Metrics
+from disagg_sidecar.state import SidecarState
+from disagg_sidecar.upstream import Upstream
+
+log = logging.getLogger("disagg_sidecar")
+access_log = logging.getLogger("disagg_sidecar.access")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_API_BY_PATH = {wire.CHAT: "chat", wire.COMPLETIONS: "completions", wire.GENERATE: "generate"}
+
+
+@web.middleware
+async def errors_and_access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """SidecarError -> its OpenAI-shaped answer; one structured access line per request."""
+    started = time.monotonic()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except SidecarError as exc:
+        status = exc.status
+        if exc.status >= 500:
+            log.warning("%s %s -> %s: %s", request.method, request.path, exc.status, exc.message)
+        return web.Response(body=exc.body, status=exc.status, content_type="application/json", headers=exc.headers)
+    except web.HTTPException as exc:  # aiohttp's own 404/405/413: same error shape as everything else
+        status = exc.status
+        return web.Response(body=error_bytes(exc.status, exc.reason), status=exc.status, content_type="application/json")
+    except asyncio.CancelledError:
+        status = 499  # client closed the request (nginx's convention)
+        raise
+    except ConnectionResetError:
+        status = 499
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        status = 500
+        return web.Response(body=error_bytes(500, "Internal sidecar error"), status=500,
+                            content_type="application/json")
+    finally:
+        if (api := _API_BY_PATH.get(request.path)) is not None:
+            request.app[METRICS].requests.labels(api, str(status)).inc()
+            access_log.info("%s %s %s", request.method, request.path, status, extra={"fields": {
+                "status": status, "path": request.path, "ms": round((time.monotonic() - started) * 1000, 1)}})
+        request_id_var.set(None)
+
+
+async def _probe(app: web.Application) -> None:
+    """One round of health and capability checks of every upstream."""
+    state, up = app[STATE], app[UPSTREAM]
+
+    async def any_healthy(pool: EndpointPool) -> bool:
+        urls = pool.endpoints()
+        results = await asyncio.gather(*(up.healthy(u) for u in urls))
+        for url, ok in zip(urls, results):
+            pool.mark_ok(url) if ok else pool.mark_failed(url)  # selection avoids failed ones
+        return any(results)
+
+    decode_ok, render_ok, derender_ok, prefill_ok = await asyncio.gather(
+        up.healthy(up.decode_url), any_healthy(up.render), any_healthy(up.derender), any_healthy(up.prefill))
+    for tier, ok in (("decode", decode_ok), ("render", render_ok), ("derender", derender_ok), ("prefill", prefill_ok)):
+        state.record_probe(tier, ok)
+    if decode_ok and state.config.decode.probe_capabilities:
+        served = await up.served_capabilities()
+        if isinstance(served, dict):
+            served.pop("live_derender_requests", None)  # a gauge, not a capability
+        if served is not None and served != state.served_capabilities:
+            log.info("decode engine capabilities: %s", served)
+            state.served_capabilities = served
+    if decode_ok and state.model_name() is None:
+        try:
+            status, body = await up.get_json(up.decode_url, wire.MODELS)
+            if status == 200:
+                state.served_model = json.loads(body)["data"][0]["id"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError):
+            pass
+
+
+async def _probe_forever(app: web.Application) -> None:
+    interval = app[STATE].config.limits.health_interval_seconds
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await _probe(app)
+        except Exception:  # a probe bug must not stop the loop
+            log.exception("health probe failed")
+
+
+async def _upstreams(app: web.Application) -> AsyncIterator[None]:
+    config = app[STATE].config
+    source = make_source(config.prefill.discovery if config.prefill.mode == "remote" else None)
+    await source.start()
+    connector = aiohttp.TCPConnector(
+        limit=0,  # the sidecar's own concurrency limit bounds this
+        keepalive_timeout=config.limits.keepalive_seconds,  # below vLLM's 5 s (uvicorn closes idle ones)
+        ttl_dns_cache=10,
+    )
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    selection = config.prefill.selection
+    upstream = Upstream(
+        session, config, app[METRICS],
+        render=EndpointPool("render", lambda: config.render_urls, "least-requests"),
+        derender=EndpointPool("derender", lambda: config.derender_urls, "least-requests"),
+        prefill=EndpointPool("prefill", source.endpoints, selection),
+    )
+    app[UPSTREAM] = upstream
+    state = app[STATE]
+    app[FLOWS] = Flows(config, upstream, app[METRICS],
+                       get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector
+                       else None,
+                       capabilities=state.capabilities, model_name=state.model_name)
+    await _probe(app)
+    prober = asyncio.create_task(_probe_forever(app))
+    try:
+        yield
+    finally:
+        prober.cancel()
+        await asyncio.gather(prober, return_exceptions=True)
+        await upstream.close()
+        await session.close()
+        await source.stop()
+
+
+def build_app(config: SidecarConfig) -> web.Application:
+    app = web.Application(middlewares=[errors_and_access_log], client_max_size=config.max_body_bytes)
+    app[STATE] = SidecarState(config)
+    app[METRICS] = Metrics()
+    app.cleanup_ctx.append(_upstreams)
+    app.router.add_post(wire.CHAT, handlers.chat)
+    app.router.add_post(wire.COMPLETIONS, handlers.completions)
+    app.router.add_post(wire.GENERATE, handlers.generate)
+    app.router.add_get(wire.MODELS, handlers.models)
+    app.router.add_get(wire.HEALTH, handlers.health)
+    app.router.add_get(wire.LIVE, handlers.live)
+    app.router.add_get(wire.METRICS, handlers.metrics)
+    return app

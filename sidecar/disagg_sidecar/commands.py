@@ -1,0 +1,64 @@
+"""``disagg sidecar --config FILE``: load the config, serve, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from disagg_sidecar.app import build_app
+from disagg_sidecar.config import SidecarConfig, load_config
+from disagg_sidecar.keys import STATE
+from disagg_sidecar.logs import setup_logging
+
+log = logging.getLogger("disagg_sidecar")
+
+
+async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set, then drain: readiness off, in-flight requests get up to
+    ``limits.drain_seconds`` to finish, then the rest are cancelled."""
+    app = build_app(config)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its legs.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=max(config.limits.drain_seconds, 0.1))
+    await runner.setup()
+    site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
+    await site.start()
+    log.info("listening on %s:%d", config.listen.host, config.listen.port)
+    try:
+        await stop.wait()
+        state = app[STATE]
+        state.draining = True
+        log.info("draining %d in-flight requests (up to %.0fs)", state.in_flight, config.limits.drain_seconds)
+        if not await state.wait_idle(config.limits.drain_seconds):
+            log.warning("drain deadline reached with %d requests in flight", state.in_flight)
+    finally:
+        await runner.cleanup()
+
+
+def sidecar_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="disagg sidecar", description="Run the Disagg routing sidecar.")
+    parser.add_argument("--config", required=True, help="the sidecar configuration file (YAML)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except (OSError, ValueError, ValidationError) as exc:
+        print(f"disagg sidecar: invalid configuration {args.config}: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_level)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,284 @@
+"""The sidecar's configuration file (``disagg sidecar --config FILE``): the only input it reads.
+
+The operator writes it into the model's ConfigMap (``disagg_operator.sidecar_config``) and local
+mode writes it next to the processes it starts; this model accepts that shape (version 1) and a
+few additions (endpoint lists, DNS discovery, limits, capabilities). Example::
+
+    version: 1
+    served_model_name: qwen3-8b
+    listen: {host: 0.0.0.0, port: 8000}
+    decode:
+      url: http://127.0.0.1:8200
+      capabilities:                      # optional; default: derived from `engine`
+        output_modes: [tokens, text, derender]
+        streaming_output_modes: [tokens, text, derender]
+    render:   {mode: remote, urls: [http://qwen-render.ns.svc:8200]}   # or url: ..., or mode: local
+    derender: {mode: remote, url: http://qwen-derender.ns.svc:8200}
+    prefill:
+      mode: remote                       # local: decode prefills itself (no prefill pool)
+      discovery: {kind: static, urls: [http://10.0.0.5:8200]}
+               # {kind: dns, host: qwen-prefill.ns.svc.cluster.local, port: 8200}
+               # {kind: endpointslices, namespace: ns, service: qwen-prefill, port: 8200}
+      selection: least-requests          # round-robin | random | least-requests
+      trust_prefiller_header: true       # honour x-prefiller-host-port, only for current prefill endpoints
+      failure_policy: fallback           # fallback: decode prefills locally; fail: 503
+      min_prompt_tokens: 0               # shorter prompts skip the prefill leg (0: never skip)
+    kv_connector: NixlConnector          # NixlConnector | ExampleConnector
+    timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600}
+    retries: 1
+    max_body_bytes: 16777216
+    limits: {max_concurrent_requests: 512, drain_seconds: 30, coalesce: true}
+    engine:                              # the operator fills this from the spec
+      vllm_version: 0.33.0
+      extension: true                    # decode runs Disagg's engine extension
+      prefill_tokens_only: true
+      features: {generate_output_mode_derender: true, render_parse_context: true}
+
+Unknown keys are rejected: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from disagg_sidecar import wire
+from disagg_sidecar.connectors import REGISTRY
+
+# What a stock vLLM generate server (no engine extension) answers on /inference/v1/generate.
+STOCK_OUTPUT_MODES: tuple[wire.OutputMode, ...] = ("tokens", "text")
+ALL_OUTPUT_MODES: tuple[wire.OutputMode, ...] = ("tokens", "text", "derender")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ValueError(f"{url!r}: expected http(s)://host:port")
+    return url.rstrip("/")
+
+
+class Listen(_Model):
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class Capabilities(_Model):
+    """What the local decode engine can produce on ``/inference/v1/generate``.
+
+    Same keys as the engine extension's ``GET /disagg/v1/capabilities``. The sidecar uses the
+    intersection of this and what the engine serves, so configuration can only narrow it (e.g. to
+    force the chained derender path).
+    """
+
+    output_modes: tuple[wire.OutputMode, ...] = STOCK_OUTPUT_MODES
+    streaming_output_modes: tuple[wire.OutputMode, ...] = STOCK_OUTPUT_MODES
+    derender_context_forms: tuple[Literal["chat_request", "parse_context"], ...] = ("chat_request",)
+    parser_configured: bool = Field(
+        True, description="The engine runs a reasoning/tool parser: chat text then needs derender, not text.")
+
+
+class Decode(_Model):
+    url: str = Field(description="The vLLM engine in the same pod (serve --enable-scale-out).")
+    capabilities: Capabilities | None = Field(
+        None, description="Configured capabilities; None: derived from `engine.extension`.")
+    probe_capabilities: bool = Field(
+        True, description="Check them against GET /disagg/v1/capabilities when the engine serves it.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _check_url(v)
+
+
+class Tier(_Model):
+    """Render or derender: ``remote`` (a pool, by URL) or ``local`` (the decode engine does it)."""
+
+    mode: Literal["remote", "local"] = "remote"
+    urls: tuple[str, ...] = Field((), description="Endpoints; `url: X` is accepted for one.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_url(cls, data: object) -> object:
+        if isinstance(data, dict) and "url" in data:
+            data = dict(data)
+            url = data.pop("url")
+            data["urls"] = [*([url] if url else []), *(data.get("urls") or [])]
+        return data
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_check_url(u) for u in v)
+
+    @model_validator(mode="after")
+    def _remote_needs_urls(self) -> Tier:
+        if self.mode == "remote" and not self.urls:
+            raise ValueError("a remote tier needs `url` or `urls`")
+        return self
+
+
+class StaticDiscovery(_Model):
+    kind: Literal["static"] = "static"
+    urls: tuple[str, ...] = Field(min_length=1)
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_check_url(u) for u in v)
+
+
+class DNSDiscovery(_Model):
+    """A headless Service: every A/AAAA record is one prefill pod."""
+
+    kind: Literal["dns"] = "dns"
+    host: str
+    port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    refresh_seconds: float = Field(5.0, gt=0)
+
+
+class EndpointSliceDiscovery(_Model):
+    """What the operator writes. Resolved through the Service's DNS name for now (see discovery.py)."""
+
+    kind: Literal["endpointslices"] = "endpointslices"
+    namespace: str
+    service: str
+    port: int = Field(ge=1, le=65535)
+    port_name: str | None = None
+    refresh_seconds: float = Field(5.0, gt=0)
+
+
+Discovery = StaticDiscovery | DNSDiscovery | EndpointSliceDiscovery
+
+
+class Prefill(_Model):
+    mode: Literal["remote", "local"] = "remote"
+    discovery: Discovery | None = Field(None, discriminator="kind")
+    selection: Literal["round-robin", "random", "least-requests"] = "least-requests"
+    trust_prefiller_header: bool = Field(
+        True, description="Honour x-prefiller-host-port when it names a current prefill endpoint; "
+                          "false: the header is stripped and ignored.")
+    failure_policy: Literal["fallback", "fail"] = "fallback"
+    tokens_only: bool | None = Field(None, description="Prefill pool runs --tokens-only; None: `engine.prefill_tokens_only`.")
+    min_prompt_tokens: int = Field(0, ge=0, description="Prompts shorter than this skip the prefill leg.")
+
+    @model_validator(mode="after")
+    def _discovery(self) -> Prefill:
+        if self.mode == "remote" and self.discovery is None:
+            raise ValueError("a remote prefill tier needs `discovery`")
+        return self
+
+
+class Timeouts(_Model):
+    connect_seconds: float = Field(5, gt=0)
+    render_seconds: float = Field(30, gt=0)
+    prefill_seconds: float = Field(120, gt=0)
+    decode_seconds: float = Field(3600, gt=0, description="Between two bytes of the decode leg, not in total.")
+    derender_seconds: float | None = Field(None, gt=0, description="None: `render_seconds`.")
+
+
+class Limits(_Model):
+    max_concurrent_requests: int = Field(512, ge=1, description="More in flight: 503 with Retry-After.")
+    drain_seconds: float = Field(30, ge=0, description="SIGTERM: how long in-flight requests may finish.")
+    coalesce: bool = Field(True, description="Merge generate chunks that arrive while a derender call is in flight.")
+    keepalive_seconds: float = Field(4.0, gt=0, lt=5, description="Idle upstream connections; below vLLM's 5 s.")
+    health_interval_seconds: float = Field(2.0, gt=0)
+
+
+class EngineFeatures(BaseModel):
+    """What the engines' vLLM version offers (the operator derives it from the version).
+
+    Unknown keys are ignored: a newer operator may know features this sidecar does not use.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    generate_output_mode_derender: bool = Field(
+        False, description="Stock batch output_mode=derender on generate, with render's parse_context (0.33).")
+    render_hoists_kv_transfer_params: bool = False
+    render_parse_context: bool = False
+
+
+class Engine(_Model):
+    vllm_version: str | None = None
+    extension: bool = Field(False, description="The decode engine runs Disagg's engine extension.")
+    prefill_tokens_only: bool = True
+    features: EngineFeatures = Field(default_factory=EngineFeatures)
+
+
+class SidecarConfig(_Model):
+    version: Literal[1] = 1
+    served_model_name: str | None = None
+    listen: Listen = Field(default_factory=Listen)
+    decode: Decode
+    render: Tier = Field(default_factory=lambda: Tier(mode="local"))
+    derender: Tier | None = Field(None, description="None: the render tier derenders too.")
+    prefill: Prefill = Field(default_factory=lambda: Prefill(mode="local"))
+    kv_connector: str | None = None
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    retries: int = Field(1, ge=0, description="Extra attempts on another endpoint (render, prefill, derender).")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    limits: Limits = Field(default_factory=Limits)
+    engine: Engine = Field(default_factory=Engine)
+
+    @model_validator(mode="after")
+    def _connector(self) -> SidecarConfig:
+        if self.prefill.mode == "remote":
+            if self.kv_connector is None:
+                raise ValueError("a remote prefill tier needs `kv_connector`")
+            if self.kv_connector not in REGISTRY:
+                raise ValueError(f"unknown kv_connector {self.kv_connector!r}; known: {sorted(REGISTRY)}")
+        return self
+
+    # -- derived views (what the rest of the sidecar reads) --------------------------------
+
+    @property
+    def render_urls(self) -> tuple[str, ...]:
+        return self.render.urls if self.render.mode == "remote" else (self.decode.url,)
+
+    @property
+    def derender_urls(self) -> tuple[str, ...]:
+        tier = self.derender or self.render
+        return tier.urls if tier.mode == "remote" else (self.decode.url,)
+
+    @property
+    def prefill_tokens_only(self) -> bool:
+        return self.engine.prefill_tokens_only if self.prefill.tokens_only is None else self.prefill.tokens_only
+
+    @property
+    def configured_capabilities(self) -> Capabilities:
+        if self.decode.capabilities is not None:
+            return self.decode.capabilities
+        if self.engine.extension:
+            return Capabilities(output_modes=ALL_OUTPUT_MODES, streaming_output_modes=ALL_OUTPUT_MODES,
+                                derender_context_forms=("chat_request", "parse_context"))
+        return self.stock_capabilities
+
+    @property
+    def stock_capabilities(self) -> Capabilities:
+        """What the decode engine's vLLM does without the extension."""
+        f = self.engine.features
+        if f.generate_output_mode_derender and f.render_parse_context:
+            return Capabilities(output_modes=ALL_OUTPUT_MODES, streaming_output_modes=STOCK_OUTPUT_MODES,
+                                derender_context_forms=("parse_context",))
+        return Capabilities()
+
+    @property
+    def derender_timeout(self) -> float:
+        return self.timeouts.derender_seconds or self.timeouts.render_seconds
+
+
+def load_config(path: str | Path) -> SidecarConfig:
+    """Read and validate the YAML (or JSON) file; errors name the offending key."""
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return SidecarConfig.model_validate(data)

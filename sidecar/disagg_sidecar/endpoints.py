@@ -1,0 +1,69 @@
+"""A pool of equivalent upstream endpoints: selection and outstanding-request accounting.
+
+Selection is local to this sidecar (each decode pod balances its own legs): ``least-requests``
+picks the endpoint with the fewest legs this sidecar has in flight (ties broken round-robin),
+which follows each endpoint's speed without any shared state. Endpoints that just failed are
+avoided for a short while, and a retry never goes to an endpoint already tried for that leg.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+Selection = Literal["round-robin", "random", "least-requests"]
+FAILURE_COOLDOWN_SECONDS = 5.0
+
+
+class EndpointPool:
+    def __init__(self, name: str, endpoints: Callable[[], tuple[str, ...]], selection: Selection = "least-requests",
+                 clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self._endpoints = endpoints
+        self.selection = selection
+        self._clock = clock
+        self._outstanding: dict[str, int] = {}
+        self._failed_at: dict[str, float] = {}
+        self._turn = itertools.count()
+
+    def endpoints(self) -> tuple[str, ...]:
+        return self._endpoints()
+
+    def outstanding(self, url: str) -> int:
+        return self._outstanding.get(url, 0)
+
+    def pick(self, exclude: Collection[str] = ()) -> str | None:
+        """An endpoint not in ``exclude``; recently failed ones only when nothing else is left."""
+        candidates = [u for u in self.endpoints() if u not in exclude]
+        if not candidates:
+            return None
+        now = self._clock()
+        fresh = [u for u in candidates if now - self._failed_at.get(u, -1e9) > FAILURE_COOLDOWN_SECONDS]
+        candidates = fresh or candidates
+        turn = next(self._turn)
+        if self.selection == "random":
+            return random.choice(candidates)
+        if self.selection == "round-robin":
+            return candidates[turn % len(candidates)]
+        least = min(self.outstanding(u) for u in candidates)
+        tied = [u for u in candidates if self.outstanding(u) == least]
+        return tied[turn % len(tied)]
+
+    @contextmanager
+    def lease(self, url: str) -> Iterator[str]:
+        """Count one leg in flight on ``url`` for as long as the block runs."""
+        self._outstanding[url] = self._outstanding.get(url, 0) + 1
+        try:
+            yield url
+        finally:
+            self._outstanding[url] -= 1
+
+    def mark_failed(self, url: str) -> None:
+        self._failed_at[url] = self._clock()
+
+    def mark_ok(self, url: str) -> None:
+        self._failed_at.pop(url, None)

@@ -1,0 +1,15 @@
+"""Typed application state keys (aiohttp ``AppKey``): the app's only shared state."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from disagg_sidecar.flows import Flows
+from disagg_sidecar.metrics import Metrics
+from disagg_sidecar.state import SidecarState
+from disagg_sidecar.upstream import Upstream
+
+STATE = web.AppKey("state", SidecarState)
+METRICS = web.AppKey("metrics", Metrics)
+UPSTREAM = web.AppKey("upstream", Upstream)
+FLOWS = web.AppKey("flows", Flows)

@@ -1,0 +1,118 @@
+"""Per-leg rewrites of a ``GenerateRequest`` (pure functions over wire dicts).
+
+The prefill leg only has to fill the KV cache: one token, no streaming, tokens mode, no parser
+context, nothing a tokenizer-free pool would reject. The decode leg is the client's request
+with the prefill's ``kv_transfer_params`` and the output mode the sidecar chose for it.
+Client-supplied ``kv_transfer_params`` never reach an engine: they name hosts the engine would
+connect to (an SSRF vector), so only the connector decides them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from disagg_sidecar import wire
+from disagg_sidecar.connectors import KVConnector
+
+# Fields a prefill leg must not carry: it returns one token nobody reads.
+_PREFILL_DROP = (wire.CHAT_REQUEST, wire.PARSE_CONTEXT, "stream_options", "return_token_ids")
+_PREFILL_SAMPLING_DROP = ("min_tokens", "logprobs", "prompt_logprobs")
+# Need a tokenizer, which a --tokens-only pool lacks (400 or a failed grammar); the one token a
+# prefill leg samples is thrown away, so dropping them changes nothing the client sees.
+_TOKENS_ONLY_SAMPLING_DROP = ("stop", "bad_words", "structured_outputs")
+
+
+def _sampling_without_client_kv(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
+    sp = dict(sampling or {})
+    extra = sp.get(wire.EXTRA_ARGS)
+    if isinstance(extra, Mapping) and wire.KV_TRANSFER_PARAMS in extra:
+        extra = {k: v for k, v in extra.items() if k != wire.KV_TRANSFER_PARAMS}
+        if extra:
+            sp[wire.EXTRA_ARGS] = extra
+        else:
+            sp.pop(wire.EXTRA_ARGS)
+    return sp
+
+
+def prefill_leg(gen: Mapping[str, Any], connector: KVConnector, *, tokens_only: bool = True) -> dict[str, Any]:
+    """The prefill leg's body: ``max_tokens`` 1, ``n`` 1, tokens mode, no stream, connector KV params."""
+    body = {k: v for k, v in gen.items() if k not in _PREFILL_DROP}
+    sp = _sampling_without_client_kv(gen.get(wire.SAMPLING_PARAMS))
+    for key in _PREFILL_SAMPLING_DROP:
+        sp.pop(key, None)
+    if tokens_only:
+        for key in _TOKENS_ONLY_SAMPLING_DROP:
+            sp.pop(key, None)
+    sp["max_tokens"] = 1
+    sp["n"] = 1
+    body[wire.SAMPLING_PARAMS] = sp
+    body["stream"] = False
+    body[wire.OUTPUT_MODE] = "tokens"
+    body[wire.KV_TRANSFER_PARAMS] = connector.prefill_params()
+    return body
+
+
+def decode_leg(
+    gen: Mapping[str, Any],
+    kv_transfer_params: Mapping[str, Any] | None,
+    *,
+    output_mode: wire.OutputMode = "tokens",
+    context: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The decode leg's body: the client's request + the prefill's KV params + the chosen mode.
+
+    ``context`` is the parser context for ``output_mode="derender"``: ``{"chat_request": ...}``
+    or ``{"parse_context": ...}``; it is dropped for the other modes.
+    """
+    body = {k: v for k, v in gen.items() if k not in (wire.CHAT_REQUEST, wire.PARSE_CONTEXT)}
+    body[wire.SAMPLING_PARAMS] = _sampling_without_client_kv(gen.get(wire.SAMPLING_PARAMS))
+    body[wire.KV_TRANSFER_PARAMS] = dict(kv_transfer_params) if kv_transfer_params else None
+    body[wire.OUTPUT_MODE] = output_mode
+    if output_mode == "derender" and context:
+        body.update(context)
+    return body
+
+
+def engine_request_id(request_id: str) -> str:
+    """The id a generate server gives a request sent with ``X-Request-Id: request_id`` (for aborts)."""
+    return wire.GENERATE_ID_PREFIX + request_id
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class DerenderLeg:
+    """Derender-tier bodies for one request, built by splicing bytes.
+
+    The parser context (the client's request, verbatim) and the prompt ids go into every
+    streaming call; they are serialised once here, and the generate answers and chunks are
+    spliced in as the bytes they arrived as where possible.
+    """
+
+    def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None,
+                 keep_stop: bool = False):
+        self.chain = chain
+        self.keep_stop = keep_stop  # the client's include_stop_str_in_output (see derender_fixes)
+        self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
+        n = len(prompt_token_ids)
+        ids = _json(prompt_token_ids)
+        model_part = b'"model":' + _json(model) + b"," if model else b""
+        if chain == "chat":
+            self._batch_tail = b',"prompt_tokens":%d,"prompt_token_ids":%s,"chat_request":%s}' % (n, ids, client_body)
+            self._stream_tail = self._batch_tail
+        else:
+            self._batch_tail = (b'],"prompt_tokens":[%d],"prompt_token_ids":[%s],"completion_request":%s}'
+                                % (n, ids, client_body))
+            self._stream_tail = b',"prompt_tokens":%d,"prompt_token_ids":%s,"completion_request":%s}' % (n, ids, client_body)
+        self._model = model_part
+
+    def batch(self, generate_response: bytes) -> bytes:
+        key = b'"generate_response":' if self.chain == "chat" else b'"generate_responses":['
+        return b"{" + self._model + key + generate_response + self._batch_tail
+
+    def stream(self, generate_chunk: Mapping[str, Any], stream_state: Any) -> bytes:
+        return (b'{"stream":true,' + self._model + b'"generate_chunk":' + _json(generate_chunk)
+                + b',"stream_state":' + _json(stream_state) + self._stream_tail)

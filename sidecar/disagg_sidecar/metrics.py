@@ -1,0 +1,37 @@
+"""Prometheus metrics of one sidecar app (its own registry: no process-wide singletons)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        ns = "disagg_sidecar"
+        self.requests = Counter(f"{ns}_requests", "Client requests by API and status code.", ["api", "code"], registry=r)
+        self.in_flight = Gauge(f"{ns}_requests_in_flight", "Client requests being served.", registry=r)
+        self.rejected = Counter(f"{ns}_rejected_requests", "Requests refused before any leg, by reason.",
+                                ["reason"], registry=r)
+        self.leg_seconds = Histogram(f"{ns}_leg_seconds", "Leg latency (decode: to the last byte).",
+                                     ["leg"], buckets=_LEG_BUCKETS, registry=r)
+        self.leg_errors = Counter(f"{ns}_leg_errors", "Failed leg attempts by leg and kind.", ["leg", "kind"], registry=r)
+        self.retries = Counter(f"{ns}_leg_retries", "Leg attempts repeated on another endpoint.", ["leg"], registry=r)
+        self.prefill = Counter(f"{ns}_prefill", "How the prompt was prefilled (remote, fallback, skipped, local).",
+                               ["outcome"], registry=r)
+        self.output_modes = Counter(f"{ns}_decode_output_mode", "Decode legs by requested output_mode.",
+                                    ["mode"], registry=r)
+        self.mode_fallbacks = Counter(f"{ns}_output_mode_fallbacks",
+                                      "Decode engines that did not produce the requested output_mode (chained instead).",
+                                      ["requested"], registry=r)
+        self.derender_calls = Counter(f"{ns}_derender_calls", "Calls to the derender tier.", ["kind"], registry=r)
+        self.coalesced_chunks = Counter(f"{ns}_coalesced_chunks",
+                                        "Generate chunks merged into a later derender call.", registry=r)
+        self.aborts = Counter(f"{ns}_aborts", "Upstream requests aborted after a client disconnect.", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

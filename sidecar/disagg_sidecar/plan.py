@@ -1,0 +1,134 @@
+"""Per-request decisions, pure: which output mode the decode leg asks for, whether the derender
+tier has to finish the job, and how the prompt gets prefilled.
+
+The decode engine's capabilities decide the output mode (vllm-scale-out-protocol.md §4.5):
+- chat: inline ``derender`` when the engine has it (one hop, no replay); inline ``text`` when no
+  parser is configured; otherwise ``tokens`` and the derender tier (batch, or per chunk);
+- completions: inline ``text``, unless the client asked for logprobs (their completions shape
+  only comes from ``/v1/completions/derender``), then ``tokens`` + derender;
+- generate: whatever the client asked for; the answer passes through.
+If the engine answers another mode than the one asked for (an older engine ignores the field),
+the chain is the fallback, so every OpenAI plan names one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from disagg_sidecar import wire
+from disagg_sidecar.config import Capabilities
+from disagg_sidecar.errors import bad_request
+
+Api = Literal["chat", "completions", "generate"]
+Chain = Literal["chat", "completions"]
+
+
+ContextForm = Literal["chat_request", "parse_context"]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    mode: wire.OutputMode
+    chain: Chain | None  # derender path for a tokens answer; None: pass the answer through
+    context: ContextForm | None = None  # parser context sent with mode "derender"
+
+    @property
+    def chained(self) -> bool:
+        """The derender tier is planned (not only a fallback)."""
+        return self.mode == "tokens" and self.chain is not None
+
+
+def decode_plan(api: Api, request: Mapping[str, Any], caps: Capabilities) -> DecodePlan:
+    stream = bool(request.get("stream"))
+    modes = caps.streaming_output_modes if stream else caps.output_modes
+    if api == "chat":
+        if "derender" in modes:
+            # The client's request is the exact context; render's parse_context (0.33) the slim one.
+            for form in ("chat_request", "parse_context"):
+                if form in caps.derender_context_forms:
+                    return DecodePlan("derender", "chat", form)
+        if "text" in modes and not caps.parser_configured:
+            return DecodePlan("text", "chat")
+        return DecodePlan("tokens", "chat")
+    if api == "completions":
+        if "text" in modes and request.get("logprobs") is None:
+            return DecodePlan("text", "completions")
+        return DecodePlan("tokens", "completions")
+    return DecodePlan(request.get(wire.OUTPUT_MODE) or "tokens", None)
+
+
+def fit_to_render(decode_plan: DecodePlan, gen: Mapping[str, Any]) -> DecodePlan:
+    """An inline derender planned with render's ``parse_context`` needs render to have sent one
+    (vLLM 0.33 does, 0.32 does not): otherwise chain."""
+    if decode_plan.context == "parse_context" and gen.get(wire.PARSE_CONTEXT) is None:
+        return DecodePlan("tokens", decode_plan.chain)
+    return decode_plan
+
+
+PrefillRoute = Literal["remote", "local", "skipped"]
+
+
+def prefill_route(remote: bool, prompt_tokens: int, min_prompt_tokens: int) -> PrefillRoute:
+    if not remote:
+        return "local"
+    if prompt_tokens < min_prompt_tokens:
+        return "skipped"
+    return "remote"
+
+
+def check_openai_request(api: Api, body: Any) -> None:
+    """What the sidecar itself relies on; the render tier validates the rest like vLLM does."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
+        raise bad_request("stream must be a boolean", "stream")
+    n = body.get("n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise bad_request("n must be a positive integer", "n")
+    if api == "completions" and body.get("echo"):
+        raise bad_request("echo is not supported on the disaggregated path (the engines never see the prompt text)",
+                          "echo")
+
+
+def check_generate_request(body: Any) -> None:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    ids = body.get(wire.TOKEN_IDS)
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise bad_request("token_ids must be a non-empty list of integers", wire.TOKEN_IDS)
+    if not isinstance(body.get(wire.SAMPLING_PARAMS, {}), dict):
+        raise bad_request("sampling_params must be an object", wire.SAMPLING_PARAMS)
+    mode = body.get(wire.OUTPUT_MODE, "tokens")
+    if mode not in wire.OUTPUT_MODES:
+        raise bad_request(f"output_mode must be one of {list(wire.OUTPUT_MODES)}", wire.OUTPUT_MODE)
+
+
+def effective_capabilities(configured: Capabilities, served: Mapping[str, Any] | str | None,
+                           stock: Capabilities = Capabilities()) -> Capabilities:
+    """What the sidecar may ask the decode engine for: configuration narrowed by what it serves.
+
+    ``served`` is the engine's ``/disagg/v1/capabilities`` answer, "absent" when the engine has
+    no extension (then only what stock vLLM of that version does, ``stock``), or None when it
+    could not be asked yet.
+    """
+    if served is None:
+        return configured
+    if served == "absent":
+        served = {"output_modes": list(stock.output_modes), "streaming_output_modes": list(stock.streaming_output_modes),
+                  "derender_context_forms": list(stock.derender_context_forms)}
+    assert isinstance(served, Mapping)
+
+    def narrow(key: str) -> tuple:
+        offered = served.get(key)
+        mine = getattr(configured, key)
+        return mine if not isinstance(offered, list) else tuple(m for m in mine if m in offered)
+
+    parser = served.get("parser_configured")
+    return configured.model_copy(update={
+        "output_modes": narrow("output_modes"),
+        "streaming_output_modes": narrow("streaming_output_modes"),
+        "derender_context_forms": narrow("derender_context_forms"),
+        "parser_configured": parser if isinstance(parser, bool) else configured.parser_configured,
+    })

@@ -1,0 +1,227 @@
+"""The legs on the wire: one shared ``ClientSession``, per-leg timeouts, retries on another
+endpoint, aborts, health and capability probes. No request-level decisions live here.
+
+Retries: a leg that could not connect, timed out, lost its connection or got a 5xx is repeated
+(up to ``retries`` more times) on an endpoint not tried yet, or on the same one if it is the only
+one (behind a Service that is another pod, and a stale keep-alive connection is worth one more
+try). 4xx answers are the client's problem and are returned as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from disagg_sidecar import wire
+from disagg_sidecar.config import SidecarConfig
+from disagg_sidecar.endpoints import EndpointPool
+from disagg_sidecar.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+Leg = Literal["render", "prefill", "decode", "derender"]
+JSON_HEADERS = {"Content-Type": "application/json"}
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2, sock_connect=1)
+ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=1)
+
+
+class LegError(Exception):
+    """A leg attempt that failed at the transport level or with a 5xx."""
+
+    def __init__(self, leg: Leg, kind: str, url: str | None, status: int | None = None, body: bytes = b"",
+                 detail: str = ""):
+        super().__init__(f"{leg} leg {kind} at {url}: {status or ''} {detail or body[:300]!r}".strip())
+        self.leg, self.kind, self.url, self.status, self.body = leg, kind, url, status, body
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    url: str
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class InFlight:
+    """Engine URLs a request currently has a generate leg on (to abort them on disconnect)."""
+
+    engine_request_id: str
+    urls: set[str] = field(default_factory=set)
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, config: SidecarConfig, metrics: Metrics,
+                 render: EndpointPool, derender: EndpointPool, prefill: EndpointPool):
+        self.session = session
+        self.config = config
+        self.metrics = metrics
+        self.render = render
+        self.derender = derender
+        self.prefill = prefill
+        self.decode_url = config.decode.url
+        t = config.timeouts
+        connect = t.connect_seconds
+        self.timeouts: dict[Leg, aiohttp.ClientTimeout] = {
+            "render": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.render_seconds),
+            "prefill": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.prefill_seconds),
+            "decode": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.decode_seconds),
+            "derender": aiohttp.ClientTimeout(sock_connect=connect, sock_read=config.derender_timeout),
+        }
+        self._background: set[asyncio.Task] = set()
+
+    # -- one attempt ---------------------------------------------------------------------------
+
+    async def post(self, leg: Leg, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Reply:
+        """POST and read the whole answer; transport failures become ``LegError``."""
+        started = time.monotonic()
+        try:
+            async with self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
+                                         timeout=self.timeouts[leg]) as resp:
+                return Reply(resp.status, await resp.read(), url)
+        except asyncio.TimeoutError as exc:
+            raise LegError(leg, "timeout", url, detail=str(exc)) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise LegError(leg, "connect", url, detail=str(exc)) from exc
+        except aiohttp.ClientError as exc:
+            raise LegError(leg, "disconnect", url, detail=str(exc)) from exc
+        finally:
+            self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - started)
+
+    # -- a pool leg with retries ---------------------------------------------------------------
+
+    async def call(self, leg: Leg, pool: EndpointPool, path: str, body: bytes, headers: Mapping[str, str], *,
+                   first: str | None = None, inflight: InFlight | None = None) -> Reply:
+        """The leg on ``first`` (or a picked endpoint), retried elsewhere on failure; 2xx/4xx returned."""
+        tried: list[str] = []
+        error: LegError | None = None
+        for attempt in range(1 + self.config.retries):
+            url = first if attempt == 0 and first else (pool.pick(exclude=tried) or pool.pick())
+            if url is None:
+                error = error or LegError(leg, "no endpoint", None)
+                break
+            if attempt:
+                self.metrics.retries.labels(leg).inc()
+                log.warning("retrying %s leg on %s after: %s", leg, url, error)
+            tried.append(url)
+            if inflight is not None:
+                inflight.urls.add(url)  # left registered if cancelled: the disconnect handler aborts it
+            reply: Reply | None = None
+            try:
+                with pool.lease(url):
+                    reply = await self.post(leg, url, path, body, headers)
+            except LegError as exc:
+                error = exc
+            if inflight is not None:
+                inflight.urls.discard(url)
+            if reply is not None:
+                if reply.status < 500:
+                    pool.mark_ok(url)
+                    return reply
+                error = LegError(leg, "status", url, reply.status, reply.body)
+            pool.mark_failed(url)
+            assert error is not None
+            self.metrics.leg_errors.labels(leg, error.kind).inc()
+        assert error is not None
+        raise error
+
+    # -- the decode leg ------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def decode(self, body: bytes, headers: Mapping[str, str],
+                     inflight: InFlight | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The local engine's response, open; leaving the block early closes the connection
+        (which makes vLLM abort the request)."""
+        started = time.monotonic()
+        url = self.decode_url
+        try:
+            resp = await self.session.post(url + wire.GENERATE, data=body, headers={**headers, **JSON_HEADERS},
+                                           timeout=self.timeouts["decode"])
+        except asyncio.TimeoutError as exc:
+            self.metrics.leg_errors.labels("decode", "timeout").inc()
+            raise LegError("decode", "timeout", url, detail=str(exc)) from exc
+        except aiohttp.ClientConnectorError as exc:
+            self.metrics.leg_errors.labels("decode", "connect").inc()
+            raise LegError("decode", "connect", url, detail=str(exc)) from exc
+        except aiohttp.ClientError as exc:
+            self.metrics.leg_errors.labels("decode", "disconnect").inc()
+            raise LegError("decode", "disconnect", url, detail=str(exc)) from exc
+        if inflight is not None:
+            inflight.urls.add(url)
+        try:
+            yield resp
+        except BaseException:
+            resp.close()  # left in `inflight`: a disconnect handler aborts it
+            raise
+        else:
+            if inflight is not None:
+                inflight.urls.discard(url)
+        finally:
+            resp.release()
+            self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - started)
+
+    # -- aborts, probes --------------------------------------------------------------------------
+
+    def abort(self, inflight: InFlight) -> None:
+        """Ask every engine the request is still on to abort it (fire and forget).
+
+        Closing the connection already aborts on vLLM; the explicit call also covers a leg
+        whose connection is pooled or still being set up.
+        """
+        for url in list(inflight.urls):
+            self.metrics.aborts.inc()
+            task = asyncio.create_task(self._abort(url, inflight.engine_request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _abort(self, url: str, engine_request_id: str) -> None:
+        body = json.dumps({"request_ids": [engine_request_id]}).encode()
+        try:
+            async with self.session.post(url + wire.ABORT, data=body, headers=JSON_HEADERS,
+                                         timeout=ABORT_TIMEOUT) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    log.warning("abort of %s on %s answered %s", engine_request_id, url, resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("abort of %s on %s failed: %s", engine_request_id, url, exc)
+
+    async def healthy(self, url: str) -> bool:
+        try:
+            async with self.session.get(url + wire.HEALTH, timeout=PROBE_TIMEOUT) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def served_capabilities(self) -> dict[str, Any] | Literal["absent"] | None:
+        """The decode engine's ``/disagg/v1/capabilities``; "absent" without the extension, None if unreachable."""
+        try:
+            async with self.session.get(self.decode_url + wire.CAPABILITIES, timeout=PROBE_TIMEOUT) as resp:
+                body = await resp.read()
+                if resp.status == 404:
+                    return "absent"
+                if resp.status != 200:
+                    return None
+                data = json.loads(body)
+                return data if isinstance(data, dict) else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def get_json(self, url: str, path: str) -> tuple[int, bytes]:
+        async with self.session.get(url + path, timeout=self.timeouts["render"]) as resp:
+            return resp.status, await resp.read()
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)

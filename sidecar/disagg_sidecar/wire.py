@@ -1,0 +1,49 @@
+"""Wire names shared by every sidecar module: paths, headers, JSON fields (defined once)."""
+
+from typing import Final, Literal
+
+OutputMode = Literal["tokens", "text", "derender"]
+OUTPUT_MODES: Final = ("tokens", "text", "derender")
+
+# vLLM scale-out paths (vllm-scale-out-protocol.md §1-4).
+CHAT_RENDER: Final = "/v1/chat/completions/render"
+COMPLETIONS_RENDER: Final = "/v1/completions/render"
+CHAT_DERENDER: Final = "/v1/chat/completions/derender"
+COMPLETIONS_DERENDER: Final = "/v1/completions/derender"
+GENERATE: Final = "/inference/v1/generate"
+ABORT: Final = "/inference/v1/abort_requests"
+CAPABILITIES: Final = "/disagg/v1/capabilities"
+
+# Inbound (OpenAI) and operational paths.
+CHAT: Final = "/v1/chat/completions"
+COMPLETIONS: Final = "/v1/completions"
+MODELS: Final = "/v1/models"
+HEALTH: Final = "/health"
+LIVE: Final = "/health/live"
+METRICS: Final = "/metrics"
+
+# Headers.
+REQUEST_ID: Final = "X-Request-Id"
+PREFILLER_HOST_PORT: Final = "x-prefiller-host-port"
+PREFILL_OUTCOME: Final = "x-disagg-prefill"
+TRACEPARENT: Final = "traceparent"
+TRACESTATE: Final = "tracestate"
+FORWARDED_HEADERS: Final = (TRACEPARENT, TRACESTATE)
+
+# Values of the x-disagg-prefill response header.
+PrefillOutcome = Literal["remote", "fallback", "skipped", "local"]
+
+# Engine request ids: vLLM prefixes the X-Request-Id of a generate call with this.
+GENERATE_ID_PREFIX: Final = "generate-tokens-"
+
+# GenerateRequest fields the legs differ on.
+KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
+SAMPLING_PARAMS: Final = "sampling_params"
+EXTRA_ARGS: Final = "extra_args"
+OUTPUT_MODE: Final = "output_mode"
+CHAT_REQUEST: Final = "chat_request"
+PARSE_CONTEXT: Final = "parse_context"
+TOKEN_IDS: Final = "token_ids"
+REMOTE_PREFILL_CACHED_TOKENS: Final = "remote_prefill_cached_tokens"
+
+SSE_DONE: Final = b"[DONE]"

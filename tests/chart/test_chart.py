@@ -1,0 +1,492 @@
+"""charts/disagg against the real control plane: lint, server-side validation, install / upgrade /
+uninstall, the values schema, least-privilege RBAC (a `kubectl auth can-i` matrix) and the operator
+itself running with the chart's ServiceAccount token until examples/qwen3-8b.yaml is Ready.
+
+kwok marks the operator pod Running/Ready (no container runs), so the operator process is run
+locally with the chart's identity. Every wait polls an observable condition with a bound.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.harness.cluster import Cluster, ClusterError
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "disagg"
+VALUES = Path(__file__).parent / "values-namespaced.yaml"
+EXAMPLE = REPO / "examples" / "qwen3-8b.yaml"
+CRD_NAME = "disaggregatedmodels.disagg.dev"
+INSTANCE = "app.kubernetes.io/instance"
+
+NAMESPACED_KINDS = ("deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,"
+                    "horizontalpodautoscalers,poddisruptionbudgets")
+CLUSTER_KINDS = "clusterroles,clusterrolebindings"
+
+# (verb, resource, subresource) the operator must be able to do in every namespace it serves.
+CHILDREN = ("deployments.apps", "services", "configmaps", "serviceaccounts", "roles.rbac.authorization.k8s.io",
+            "rolebindings.rbac.authorization.k8s.io", "horizontalpodautoscalers.autoscaling",
+            "poddisruptionbudgets.policy")
+ALLOWED = [
+    *((verb, kind, None) for kind in CHILDREN for verb in ("get", "list", "watch", "create", "patch", "delete")),
+    *((verb, CRD_NAME, None) for verb in ("get", "list", "watch", "patch")),
+    ("get", CRD_NAME, "status"), ("patch", CRD_NAME, "status"),
+    *((verb, "endpointslices.discovery.k8s.io", None) for verb in ("get", "list", "watch")),
+    ("create", "events", None), ("patch", "events", None),
+]
+# ... and must not be able to do even there.
+DENIED_IN_WATCHED = [
+    ("get", "secrets", None), ("list", "secrets", None), ("create", "secrets", None),
+    ("create", "pods", None), ("create", "pods", "exec"),
+    ("create", CRD_NAME, None), ("delete", CRD_NAME, None), ("update", CRD_NAME, None),
+    ("update", "deployments.apps", None), ("create", "endpointslices.discovery.k8s.io", None),
+    ("escalate", "roles.rbac.authorization.k8s.io", None), ("bind", "roles.rbac.authorization.k8s.io", None),
+    ("delete", "events", None),
+]
+# Cluster-scoped: nothing at all.
+DENIED_CLUSTER = [
+    ("create", "clusterroles.rbac.authorization.k8s.io"), ("create", "clusterrolebindings.rbac.authorization.k8s.io"),
+    ("create", "namespaces"), ("delete", "namespaces"), ("list", "namespaces"),
+    ("get", "nodes"), ("create", "nodes"), ("patch", "nodes"),
+    ("create", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("list", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("create", "persistentvolumes"),
+]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{os.urandom(3).hex()}"
+
+
+def fullname(release: str) -> str:
+    return release if "disagg" in release else f"{release}-disagg"
+
+
+def sa_user(ns: str, sa: str) -> str:
+    return f"system:serviceaccount:{ns}:{sa}"
+
+
+def can_i(cluster: Cluster, user: str, verb: str, resource: str, ns: str | None = None,
+          subresource: str | None = None, all_namespaces: bool = False) -> bool:
+    args = ["auth", "can-i", verb, resource, f"--as={user}"]
+    args += ["-n", ns] if ns else []
+    args += [f"--subresource={subresource}"] if subresource else []
+    args += ["--all-namespaces"] if all_namespaces else []
+    proc = cluster.kubectl(*args, check=False)
+    if proc.returncode not in (0, 1) or proc.stdout.strip() not in ("yes", "no"):
+        raise ClusterError(f"kubectl {' '.join(args)}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc.returncode == 0
+
+
+def mismatches(cluster: Cluster, user: str, ns: str | None, cases: list[tuple[str, str, str | None]],
+               want: bool) -> list[str]:
+    """The cases whose `kubectl auth can-i` answer is not ``want`` (asked in parallel: many calls)."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(lambda case: can_i(cluster, user, case[0], case[1], ns, case[2]), cases))
+    return [f"{verb} {res}{'/' + sub if sub else ''} in {ns or '<cluster>'}: want {'yes' if want else 'no'}"
+            for (verb, res, sub), answer in zip(cases, answers) if answer != want]
+
+
+def get_json(cluster: Cluster, *args: str) -> dict[str, Any]:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+
+
+def labelled(cluster: Cluster, release: str) -> list[str]:
+    """Every object (namespaced in any namespace, and cluster-scoped) labelled with the release."""
+    sel = f"{INSTANCE}={release}"
+    items = get_json(cluster, NAMESPACED_KINDS, "-A", "-l", sel)["items"]
+    items += get_json(cluster, CLUSTER_KINDS, "-l", sel)["items"]
+    return sorted(f"{o['kind']}/{o['metadata'].get('namespace', '')}/{o['metadata']['name']}" for o in items)
+
+
+def namespaced_values(tmp_path: Path, watch: list[str], service_monitor: bool = False) -> Path:
+    values = yaml.safe_load(VALUES.read_text())
+    values["watchNamespaces"] = watch
+    values["metrics"]["serviceMonitor"]["enabled"] = service_monitor  # no prometheus-operator CRDs here
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def render(cluster: Cluster, release: str, ns: str, *args: str) -> list[dict[str, Any]]:
+    out = cluster.helm("template", release, str(CHART), "-n", ns, *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def deployment(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    return get_json(cluster, "-n", ns, "deployment", name)
+
+
+def available(dep: dict[str, Any]) -> bool:
+    conds = {c["type"]: c["status"] for c in dep.get("status", {}).get("conditions", [])}
+    st = dep.get("status", {})
+    return (conds.get("Available") == "True" and st.get("observedGeneration") == dep["metadata"]["generation"]
+            and st.get("updatedReplicas") == st.get("availableReplicas") == dep["spec"]["replicas"]
+            and not st.get("unavailableReplicas"))
+
+
+def wait_available(cluster: Cluster, ns: str, name: str, after_generation: int = 0) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        dep = deployment(cluster, ns, name)
+        return dep if available(dep) and dep["metadata"]["generation"] > after_generation else None
+
+    return cluster.wait_for(probe, f"{ns}/{name} Available (generation > {after_generation})", timeout=120)
+
+
+# --- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def namespaces(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Callable[[str], str]]:
+    """A factory of fresh namespaces, all deleted after the test."""
+    made: list[str] = []
+
+    def make(prefix: str) -> str:
+        made.append(cluster.create_namespace(f"chart-{prefix}"))
+        return made[-1]
+
+    yield make
+    for name in made:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def releases(cluster: Cluster) -> Iterator[list[tuple[str, str]]]:
+    """(release, namespace) pairs to uninstall after the test (cluster-scoped RBAC included)."""
+    installed: list[tuple[str, str]] = []
+    yield installed
+    for release, ns in installed:
+        cluster.helm("uninstall", release, "-n", ns, "--wait", "--ignore-not-found", check=False)
+
+
+# --- static ------------------------------------------------------------------------------------
+
+def test_chart_crds_are_the_top_level_crds() -> None:
+    top = {p.name: p.read_bytes() for p in (REPO / "crds").glob("*.yaml")}
+    chart = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    assert top, "no CRDs in crds/"
+    assert sorted(chart) == sorted(top), "charts/disagg/crds/ must hold exactly the files of crds/"
+    stale = [name for name in top if chart[name] != top[name]]
+    assert not stale, f"charts/disagg/crds/ differs from crds/ for {stale}: cp crds/*.yaml charts/disagg/crds/"
+
+
+@pytest.mark.parametrize("values", ["default", "namespaced"])
+def test_helm_lint_passes(cluster: Cluster, values: str) -> None:
+    args = ["-f", str(VALUES)] if values == "namespaced" else []
+    out = cluster.helm("lint", "--strict", str(CHART), *args)
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout, out.stdout
+
+
+def test_non_default_values_render_as_configured(cluster: Cluster) -> None:
+    docs = render(cluster, "ops", "platform", "-f", str(VALUES))
+    kinds = sorted((d["kind"], d["metadata"].get("namespace", "")) for d in docs)
+    assert kinds == [("Deployment", "platform"), ("Role", "team-a"), ("Role", "team-b"), ("RoleBinding", "team-a"),
+                     ("RoleBinding", "team-b"), ("Service", "platform"), ("ServiceAccount", "platform"),
+                     ("ServiceMonitor", "platform")]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "registry.example.com/platform/disagg:0.1.0-rc1"
+    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:9090/healthz",
+                                 "--namespace=team-a", "--namespace=team-b", "--verbose"]
+    assert pod["serviceAccountName"] == "disagg-ops-operator"
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "disagg-ops-operator", "namespace": "platform"}]
+    monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+    default = render(cluster, "ops", "platform")
+    dep = next(d for d in default if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "operator", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert {d["kind"] for d in default} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service",
+                                           "Deployment"}
+    sc = dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+    assert sc["capabilities"]["drop"] == ["ALL"] and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+BAD_VALUES = [
+    (["--set", "replicas=2"], ["/replicas", "maximum: got 2, want 1"]),
+    (["--set", "logLevel=trace"], ["/logLevel", "'info', 'debug'"]),
+    (["--set", "watchNamespaces={Team_A}"], ["/watchNamespaces/0", "does not match pattern"]),
+    (["--set", "watchNamespaces={a,a}"], ["/watchNamespaces", "items at", "equal"]),
+    (["--set", "image.pullPolicy=Sometimes"], ["/image/pullPolicy", "'Always', 'IfNotPresent', 'Never'"]),
+    (["--set", "http.port=70000"], ["/http/port", "maximum: got 70,000, want 65,535"]),
+    (["--set", "replicass=1"], ["additional properties 'replicass' not allowed"]),
+    (["--set", "metrics.serviceMonitor.enable=true"], ["/metrics/serviceMonitor", "'enable' not allowed"]),
+    (["--set", "securityContext.readOnlyRootFilesystem=false"], ["/securityContext/readOnlyRootFilesystem"]),
+    (["--set", "resources.requests.cpu=lots"], ["/resources/requests/cpu"]),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_VALUES, ids=[" ".join(a[1:]) for a, _ in BAD_VALUES])
+def test_values_breaking_the_schema_are_rejected_readably(cluster: Cluster, args: list[str],
+                                                          expected: list[str]) -> None:
+    proc = cluster.helm("template", "bad", str(CHART), *args, check=False)
+    assert proc.returncode != 0, proc.stdout
+    assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+    for text in expected:
+        assert text in proc.stderr, proc.stderr
+
+
+def test_template_guards_what_the_schema_cannot(cluster: Cluster) -> None:
+    proc = cluster.helm("template", "bad", str(CHART), "--set", "metrics.service.enabled=false",
+                        "--set", "metrics.serviceMonitor.enabled=true", check=False)
+    assert proc.returncode != 0 and "metrics.serviceMonitor.enabled needs metrics.service.enabled" in proc.stderr
+    proc = cluster.helm("template", "bad", str(CHART), "--set", "replicas=3", "--skip-schema-validation", check=False)
+    assert proc.returncode != 0 and "replicas must be 0 or 1" in proc.stderr, proc.stderr
+
+
+def test_bad_values_install_nothing(cluster: Cluster, namespaces: Callable[[str], str]) -> None:
+    ns = namespaces("bad")
+    release = unique("bad")
+    proc = cluster.helm("install", release, str(CHART), "-n", ns, "--set", "replicas=5", check=False)
+    assert proc.returncode != 0 and "/replicas" in proc.stderr, proc.stderr
+    assert labelled(cluster, release) == []
+    assert cluster.helm("list", "-n", ns, "-q").stdout.strip() == ""
+
+
+# --- against the cluster -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", ["default", "namespaced"])
+def test_template_applies_with_server_dry_run(cluster: Cluster, namespaces: Callable[[str], str],
+                                              tmp_path: Path, values: str) -> None:
+    ns = namespaces("dry")
+    args = ["--include-crds"]
+    if values == "namespaced":
+        args += ["-f", str(namespaced_values(tmp_path, [namespaces("dry-w1"), namespaces("dry-w2")]))]
+    manifest = cluster.helm("template", unique("dry"), str(CHART), "-n", ns, *args).stdout
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest).stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines and all("(server dry run)" in line for line in lines), out
+    assert len(lines) == len([d for d in yaml.safe_load_all(manifest) if d])
+
+
+def test_install_upgrade_uninstall_cluster_wide(cluster: Cluster, namespaces: Callable[[str], str],
+                                                releases: list[tuple[str, str]]) -> None:
+    ns = namespaces("cw")
+    release = unique("cw")
+    name = fullname(release)
+    releases.append((release, ns))
+    cluster.helm("install", release, str(CHART), "-n", ns, "--wait", "--timeout", "3m")
+    dep = wait_available(cluster, ns, name)
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == name
+    created = labelled(cluster, release)
+    for expected in (f"ClusterRole//{name}", f"ClusterRoleBinding//{name}", f"ServiceAccount/{ns}/{name}",
+                     f"Service/{ns}/{name}-metrics", f"Deployment/{ns}/{name}"):
+        assert expected in created, created
+    assert not any(o.startswith(("Role/", "RoleBinding/")) for o in created), created
+    endpoints = get_json(cluster, "-n", ns, "endpointslices", "-l", f"kubernetes.io/service-name={name}-metrics")
+    assert endpoints["items"], "the metrics Service selects no pod"
+
+    # upgrade with changed values: a new pod template → a new ReplicaSet; the old one is scaled to 0
+    def replica_sets() -> dict[str, dict[str, Any]]:
+        items = get_json(cluster, "-n", ns, "replicasets", "-l", f"{INSTANCE}={release}")["items"]
+        return {o["metadata"]["name"]: o for o in items}
+
+    before = replica_sets()
+    assert len(before) == 1
+    generation = dep["metadata"]["generation"]
+    cluster.helm("upgrade", release, str(CHART), "-n", ns, "--reuse-values", "--set", "logLevel=debug",
+                 "--wait", "--timeout", "3m")
+    dep = wait_available(cluster, ns, name, after_generation=generation)
+    assert "--verbose" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    cluster.kubectl("rollout", "status", "-n", ns, f"deployment/{name}", "--timeout=120s")
+    after = replica_sets()
+    (new,) = set(after) - set(before)
+    assert after[new]["status"].get("readyReplicas") == 1
+    assert all(after[old]["spec"]["replicas"] == 0 for old in before)
+    history = json.loads(cluster.helm("history", release, "-n", ns, "-o", "json").stdout)
+    assert [h["revision"] for h in history] == [1, 2] and history[-1]["status"] == "deployed"
+
+    cluster.helm("uninstall", release, "-n", ns, "--wait", "--timeout", "2m")
+    cluster.wait_for(lambda: labelled(cluster, release) == [], f"every object of {release} gone", timeout=120)
+    assert get_json(cluster, "-n", ns, "secrets", "-l", f"owner=helm,name={release}")["items"] == []
+    assert cluster.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0, "uninstall keeps the CRD"
+
+
+def test_rbac_cluster_wide_least_privilege(cluster: Cluster, namespaces: Callable[[str], str],
+                                           releases: list[tuple[str, str]]) -> None:
+    ns, anywhere = namespaces("cwrbac"), namespaces("cwrbac-any")
+    release = unique("cwrbac")
+    releases.append((release, ns))
+    cluster.helm("install", release, str(CHART), "-n", ns, "--wait", "--timeout", "3m")
+    user = sa_user(ns, fullname(release))
+    problems = mismatches(cluster, user, anywhere, ALLOWED, True)
+    problems += mismatches(cluster, user, anywhere, DENIED_IN_WATCHED, False)
+    problems += [f"{v} {r} cluster-scoped: want no" for v, r in DENIED_CLUSTER if can_i(cluster, user, v, r)]
+    assert can_i(cluster, user, "list", CRD_NAME, all_namespaces=True), "cluster-wide list of models"
+    assert not can_i(cluster, user, "list", "secrets", all_namespaces=True)
+    assert not problems, "\n".join(problems)
+
+
+def test_rbac_namespaced_least_privilege(cluster: Cluster, namespaces: Callable[[str], str], tmp_path: Path,
+                                         releases: list[tuple[str, str]]) -> None:
+    ns, watched, other = namespaces("nsrbac"), [namespaces("nsrbac-w1"), namespaces("nsrbac-w2")], namespaces("nsrbac-o")
+    release = unique("nsrbac")
+    releases.append((release, ns))
+    cluster.helm("install", release, str(CHART), "-n", ns, "-f", str(namespaced_values(tmp_path, watched)),
+                 "--wait", "--timeout", "3m")
+    dep = deployment(cluster, ns, "disagg-ops")
+    assert available(dep)
+    created = labelled(cluster, release)
+    assert not any(o.startswith("Cluster") for o in created), created
+    assert sorted(o for o in created if o.startswith("Role")) == sorted(
+        [f"Role/{w}/disagg-ops" for w in watched] + [f"RoleBinding/{w}/disagg-ops" for w in watched])
+
+    user = sa_user(ns, "disagg-ops-operator")
+    problems: list[str] = []
+    for w in watched:
+        problems += mismatches(cluster, user, w, ALLOWED, True)
+        problems += mismatches(cluster, user, w, DENIED_IN_WATCHED, False)
+    for elsewhere in (other, ns, "default", "kube-system"):  # not even its own namespace
+        problems += mismatches(cluster, user, elsewhere, ALLOWED, False)
+    problems += [f"{v} {r} cluster-scoped: want no" for v, r in DENIED_CLUSTER if can_i(cluster, user, v, r)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        anywhere = list(pool.map(lambda c: can_i(cluster, user, c[0], c[1], all_namespaces=True), ALLOWED))
+    problems += [f"{verb} {res} in all namespaces: want no" for (verb, res, _), yes in zip(ALLOWED, anywhere) if yes]
+    assert not problems, "\n".join(problems)
+
+
+# --- the operator with the chart's identity ------------------------------------------------------
+
+def sa_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
+    admin = json.loads(cluster.kubectl("config", "view", "--raw", "--minify", "-o", "json").stdout)
+    token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=1h").stdout.strip()
+    config = {
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "disagg", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": sa, "user": {"token": token}}],
+        "contexts": [{"name": sa, "context": {"cluster": "disagg", "user": sa, "namespace": ns}}],
+        "current-context": sa,
+    }
+    path.write_text(json.dumps(config))
+    path.chmod(0o600)
+    return path
+
+
+class LocalOperator:
+    """`python -m disagg_operator` with a given kubeconfig; started and stopped by its own pid."""
+
+    def __init__(self, kubeconfig: Path, args: list[str], log: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = log
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "disagg_operator", "--liveness", f"http://127.0.0.1:{self.port}/healthz",
+                 *args], env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, cwd=REPO)
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the operator exited ({self.proc.returncode}):\n{self.tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def test_operator_with_chart_identity_reconciles_example_to_ready(
+        cluster: Cluster, namespaces: Callable[[str], str], tmp_path: Path, releases: list[tuple[str, str]]) -> None:
+    ns, watched = namespaces("op"), namespaces("op-w")
+    release = unique("op")
+    releases.append((release, ns))
+    cluster.helm("install", release, str(CHART), "-n", ns, "-f", str(namespaced_values(tmp_path, [watched])),
+                 "--wait", "--timeout", "3m")
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    kubeconfig = sa_kubeconfig(cluster, ns, "disagg-ops-operator", tmp_path / "sa.kubeconfig")
+    whoami = json.loads(cluster.run("kubectl", [f"--kubeconfig={kubeconfig}", "auth", "whoami", "-o", "json"]).stdout)
+    assert whoami["status"]["userInfo"]["username"] == sa_user(ns, "disagg-ops-operator")
+
+    # The same arguments as the chart's Deployment (but a local liveness port).
+    args = render(cluster, release, ns, "-f", str(namespaced_values(tmp_path, [watched])))
+    container = next(d for d in args if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    op_args = [a for a in container["args"][1:] if not a.startswith("--liveness")]
+    assert op_args == [f"--namespace={watched}", "--verbose"]
+    operator = LocalOperator(kubeconfig, op_args, tmp_path / "operator.log")
+    try:
+        cluster.wait_for(operator.healthy, "the operator's liveness endpoint", timeout=60)
+        # kopf first retries the refused cluster-wide namespace listing (~1 min), then serves `watched`.
+        serving = f"Starting the watch-stream for disaggregatedmodels.v1alpha1.disagg.dev in '{watched}'"
+        cluster.wait_for(lambda: operator.healthy() and serving in operator.log.read_text(errors="replace"),
+                         "the operator watching its namespace", timeout=150, interval=1)
+        cluster.kubectl("apply", "-n", watched, "-f", str(EXAMPLE))
+
+        def ready() -> dict[str, Any] | None:
+            dm = get_json(cluster, "-n", watched, "disaggregatedmodel", "qwen3-8b")
+            conds = {c["type"]: c["status"] for c in dm.get("status", {}).get("conditions", [])}
+            current = dm.get("status", {}).get("observedGeneration") == dm["metadata"]["generation"]
+            return dm if current and conds.get("Ready") == "True" else None
+
+        try:
+            cluster.wait_for(ready, f"{watched}/qwen3-8b Ready", timeout=180)
+        except AssertionError as exc:
+            status = get_json(cluster, "-n", watched, "disaggregatedmodel", "qwen3-8b").get("status")
+            pods = cluster.kubectl("get", "pods", "-n", watched, "-o", "wide", check=False).stdout
+            raise AssertionError(f"{exc}\n--- status ---\n{json.dumps(status, indent=1)}\n--- pods ---\n{pods}"
+                                 f"\n--- operator log ---\n{operator.tail()}") from None
+        log = operator.log.read_text(errors="replace")
+        assert "Handler 'reconcile' succeeded" in log, operator.tail()
+        # The writes were this operator's own (its debug log has every request and its answer). A
+        # cluster-wide disagg operator running concurrently (another session) could race it here.
+        written = set(re.findall(rf'"PATCH /apis?(?:/[a-z0-9.]+)?/v[0-9a-z]+/namespaces/{watched}/([a-z]+)/'
+                                 r'[^ "]+ HTTP/1.1" 20[01]', log))
+        want = {"serviceaccounts", "roles", "rolebindings", "configmaps", "services", "deployments",
+                "disaggregatedmodels"}
+        assert want <= written, f"writes by the chart-identity operator: {sorted(written)}; want {sorted(want)}"
+        failures = get_json(cluster, "-n", watched, "events", "--field-selector",
+                            "involvedObject.name=qwen3-8b")["items"]
+        assert not [e for e in failures if e["reason"] in ("ApplyFailed", "RestoreFailed", "InvalidSpec")], failures
+        kinds = get_json(cluster, "-n", watched, "serviceaccounts,roles,rolebindings,deployments",
+                         "-l", f"{INSTANCE}=qwen3-8b")["items"]
+        assert {o["kind"] for o in kinds} == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+        assert operator.healthy()
+    finally:
+        operator.stop()
+        cluster.kubectl("delete", "-n", watched, "-f", str(EXAMPLE), "--ignore-not-found", "--wait=false",
+                        check=False)
+    # kopf's namespace and CRD scanning is refused on purpose (no cluster-wide reads): it warns and
+    # falls back to the given namespaces. Nothing else may be refused.
+    expected = ('resource "namespaces" in API group "" at the cluster scope',
+                'resource "customresourcedefinitions" in API group "apiextensions.k8s.io" at the cluster scope')
+    refused = [line for line in operator.log.read_text(errors="replace").splitlines()
+               if ("Forbidden" in line or " 403" in line) and not any(e in line for e in expected)]
+    assert not refused, "\n".join(refused)

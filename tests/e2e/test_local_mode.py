@@ -1,0 +1,123 @@
+"""Local mode end to end: ``disagg up examples/local-tiny.yaml`` driven with the official openai SDK."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+from openai import OpenAI
+
+from disagg_engine.servers import port_in_use
+from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "local-tiny.yaml"
+DISAGG = [sys.executable, "-m", "disagg_cli.main"]
+
+
+def _disagg(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*DISAGG, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    state = tmp_path_factory.mktemp("local-state")
+    up = _disagg("up", str(EXAMPLE), "--detach", "--state-dir", str(state), timeout=1200)
+    assert up.returncode == 0, up.stdout + up.stderr
+    endpoint = re.search(r"^endpoint: (http://127\.0\.0\.1:\d+)$", up.stdout, re.M).group(1)
+    yield {"endpoint": endpoint, "state": state}
+    if any(state.glob("*/state.json")):
+        _disagg("down", "--state-dir", str(state))
+
+
+@pytest.fixture(scope="module")
+def client(local) -> OpenAI:
+    return OpenAI(base_url=local["endpoint"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_status_lists_every_pool_healthy(local):
+    out = _disagg("status", "--json", "--state-dir", str(local["state"]))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["endpoint"] == local["endpoint"]
+    assert set(report["pools"]) == {"prefill", "decode", "render", "sidecar"}
+    for members in report["pools"].values():
+        for m in members:
+            assert m["healthy"] and m["pid"] > 0 and m["url"].startswith("http://127.0.0.1:")
+
+
+def test_chat_non_stream_and_stream(client):
+    resp = client.chat.completions.create(model="tiny-qwen3", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=8, temperature=0)
+    assert resp.object == "chat.completion" and resp.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(model="tiny-qwen3", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_completions(client):
+    resp = client.completions.create(model="tiny-qwen3", prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert resp.object == "text_completion" and resp.usage.completion_tokens == 6
+    assert isinstance(resp.choices[0].text, str)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_reasoning_tool_call_equals_the_coupled_reference(engine_set, forcer, client, stream):
+    body = forcer.chat_body("reasoning_tool_call", stream=stream)
+    coupled = requests.post(engine_set.url("coupled") + "/v1/chat/completions", json=body, timeout=120, stream=stream)
+    extra = {"vllm_xargs": body.pop("vllm_xargs")}
+    kwargs = {k: v for k, v in body.items() if k not in ("model", "messages")}
+    got = client.chat.completions.create(model="tiny-qwen3", messages=body["messages"], extra_body=extra, **kwargs)
+    if stream:
+        want = chat_stream_view(sse_events(coupled.iter_lines()))
+        got_view = chat_stream_view([c.model_dump() for c in got] + ["[DONE]"])
+    else:
+        want = chat_view(coupled.json())
+        got_view = chat_view(got.model_dump())
+    assert got_view == want
+    assert want["choices"][0]["tool_calls"] == [("get_weather", {"city": "東京"})]
+
+
+@pytest.mark.cluster
+def test_invalid_spec_is_rejected_with_the_crd_admission_message(cluster, tmp_path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["model"]["source"] = "/models/tiny"
+    doc["spec"]["pools"]["decode"]["replicas"] = 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    local = _disagg("up", str(bad), "--state-dir", str(tmp_path / "state"))
+    assert local.returncode == 2
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    admission = cluster.kubectl("apply", "--dry-run=server", "-n", "default", "-f", str(bad), check=False)
+    assert admission.returncode != 0
+    message = "pools.decode.replicas must be at least 1: decode serves every request"
+    assert message in admission.stderr
+    assert message in local.stderr
+
+
+def test_down_leaves_no_process_and_no_port(local):
+    report = json.loads(_disagg("status", "--json", "--state-dir", str(local["state"])).stdout)
+    members = [m for ms in report["pools"].values() for m in ms]
+    down = _disagg("down", "--state-dir", str(local["state"]))
+    assert down.returncode == 0, down.stderr
+    for m in members:
+        with pytest.raises(ProcessLookupError):
+            os.kill(m["pid"], 0)
+    deadline = time.monotonic() + 10
+    ports = [int(m["url"].rsplit(":", 1)[1]) for m in members]
+    while any(port_in_use(p) for p in ports):
+        assert time.monotonic() < deadline, "ports still in use"
+        time.sleep(0.1)
+    assert not any(local["state"].glob("*/state.json"))

@@ -1,0 +1,208 @@
+"""Session-scoped real Kubernetes control plane (``scripts/cluster``) for tests marked ``cluster``.
+
+The ``cluster`` fixture reuses a healthy cluster in the state dir (``$DISAGG_CLUSTER_DIR`` or
+``<repo>/.cluster``) or starts one. Only a cluster started by a pytest session is stopped again,
+and only by the last pytest process using it (pytest-xdist workers share one cluster).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_SCRIPT = REPO / "scripts" / "cluster"
+K8S_BINS_SCRIPT = REPO / "scripts" / "k8s-bins"
+# A cold scripts/k8s-bins build (first run on a machine) takes ~30 min on 2 cores.
+UP_TIMEOUT = float(os.environ.get("DISAGG_CLUSTER_UP_TIMEOUT", "3600"))
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+T = TypeVar("T")
+
+
+class ClusterError(AssertionError):
+    """A cluster command failed; the message carries its output (and log tails where useful)."""
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("DISAGG_CLUSTER_DIR") or REPO / ".cluster").resolve()
+
+
+def cluster_script(
+    action: str, state_dir: Path, *, timeout: float = UP_TIMEOUT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``scripts/cluster <action>`` against ``state_dir`` (no check; callers decide)."""
+    full_env = {**os.environ, **(env or {}), "DISAGG_CLUSTER_DIR": str(state_dir)}
+    return subprocess.run(
+        [str(CLUSTER_SCRIPT), action], env=full_env, capture_output=True, text=True,
+        stdin=subprocess.DEVNULL, timeout=timeout,
+    )
+
+
+def read_env(state_dir: Path) -> dict[str, str]:
+    """Parse ``cluster.env`` (BIN_DIR and the ports) written by ``scripts/cluster up``."""
+    pairs = (line.split("=", 1) for line in (state_dir / "cluster.env").read_text().splitlines() if "=" in line)
+    return {k: v for k, v in pairs}
+
+
+def log_tails(state_dir: Path, lines: int = 30) -> str:
+    out = []
+    for name in COMPONENTS:
+        log = state_dir / "logs" / f"{name}.log"
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"----- {name}.log (last {len(tail)} lines) -----\n" + "\n".join(tail))
+    return "\n".join(out) or f"(no component logs in {state_dir / 'logs'})"
+
+
+@dataclass
+class Cluster:
+    state_dir: Path
+    kubeconfig: Path
+    bin_dir: Path
+    ports: dict[str, int]
+
+    @classmethod
+    def from_state_dir(cls, state_dir: Path) -> "Cluster":
+        env = read_env(state_dir)
+        ports = {k: int(v) for k, v in env.items() if k.endswith("_PORT")}
+        return cls(state_dir, state_dir / "kubeconfig", Path(env["BIN_DIR"]), ports)
+
+    def run(
+        self, tool: str, args: Sequence[str], *, input: str | None = None, check: bool = True,
+        timeout: float = 180,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a cached binary against this cluster; on failure raise with its output."""
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            # Keep helm's repo/cache config inside the state dir, never the user's ~/.config.
+            "HELM_CONFIG_HOME": str(self.state_dir / "helm" / "config"),
+            "HELM_CACHE_HOME": str(self.state_dir / "helm" / "cache"),
+            "HELM_DATA_HOME": str(self.state_dir / "helm" / "data"),
+        }
+        cmd = [str(self.bin_dir / tool), *args]
+        proc = subprocess.run(
+            cmd, input=input, env=env, capture_output=True, text=True, timeout=timeout,
+            stdin=None if input is not None else subprocess.DEVNULL,
+        )
+        if check and proc.returncode != 0:
+            raise ClusterError(
+                f"{tool} {' '.join(args)} exited {proc.returncode}\n"
+                f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+            )
+        return proc
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 180
+    ) -> subprocess.CompletedProcess[str]:
+        # A private discovery cache: fresh CRDs show up without touching ~/.kube/cache.
+        cache = f"--cache-dir={self.state_dir / 'kubectl-cache'}"
+        return self.run("kubectl", [f"--kubeconfig={self.kubeconfig}", cache, *args],
+                        input=input, check=check, timeout=timeout)
+
+    def helm(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        return self.run("helm", [f"--kubeconfig={self.kubeconfig}", *args],
+                        input=input, check=check, timeout=timeout)
+
+    def log_tails(self, lines: int = 30) -> str:
+        return log_tails(self.state_dir, lines)
+
+    def wait_for(self, probe: Callable[[], T], what: str, timeout: float = 90, interval: float = 0.25) -> T:
+        """Poll ``probe`` until it returns something truthy; on timeout fail with log tails."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while True:
+            try:
+                last = probe()
+                if last:
+                    return last
+            except (ClusterError, subprocess.TimeoutExpired) as exc:
+                last = exc
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"timed out after {timeout}s waiting for {what}; last result: {last!r}\n{self.log_tails()}"
+                )
+            time.sleep(interval)
+
+    def create_namespace(self, prefix: str) -> str:
+        """A fresh namespace with a unique name (tests stay independent across runs)."""
+        name = f"{prefix[:40].rstrip('-').lower()}-{os.urandom(3).hex()}"
+        self.kubectl("create", "namespace", name)
+        return name
+
+
+# --- session fixture --------------------------------------------------------------------------
+
+@contextmanager
+def _session_lock(state_dir: Path) -> Iterator[None]:
+    # Outside the state dir: `scripts/cluster down` removes that dir.
+    key = hashlib.sha1(str(state_dir).encode()).hexdigest()[:12]
+    with open(Path(tempfile.gettempdir()) / f"disagg-cluster-{key}.pytest.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _start_or_reuse(state_dir: Path) -> None:
+    """Start the cluster unless a healthy one is there; register this process as a user."""
+    users = state_dir / "pytest-users"
+    if cluster_script("status", state_dir, timeout=60).returncode != 0:
+        up = cluster_script("up", state_dir)
+        if up.returncode != 0:
+            raise ClusterError(
+                f"scripts/cluster up failed ({up.returncode})\nstdout:\n{up.stdout}\n"
+                f"stderr:\n{up.stderr}\n{log_tails(state_dir)}"
+            )
+        (state_dir / "pytest-owned").touch()  # started by pytest: the last user stops it
+    users.mkdir(exist_ok=True)
+    (users / str(os.getpid())).touch()
+
+
+def _release(state_dir: Path) -> str | None:
+    """Unregister; stop the cluster if pytest started it and nobody else uses it. Returns an error."""
+    users = state_dir / "pytest-users"
+    (users / str(os.getpid())).unlink(missing_ok=True)
+    others = [p for p in users.glob("*") if p.name.isdigit() and _alive(int(p.name))] if users.is_dir() else []
+    if others or not (state_dir / "pytest-owned").exists():
+        return None
+    down = cluster_script("down", state_dir, timeout=120)
+    if down.returncode != 0:
+        return f"scripts/cluster down failed ({down.returncode}):\n{down.stdout}\n{down.stderr}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """The real control plane: etcd, kube-apiserver, controller-manager, scheduler, kwok (2 nodes)."""
+    state_dir = default_state_dir()
+    with _session_lock(state_dir):
+        _start_or_reuse(state_dir)
+    try:
+        yield Cluster.from_state_dir(state_dir)
+    finally:
+        with _session_lock(state_dir):
+            error = _release(state_dir)
+        if error:
+            raise ClusterError(error)

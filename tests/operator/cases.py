@@ -1,0 +1,101 @@
+"""Invalid DisaggregatedModels, one per validation rule: the table both pydantic (unit tests) and the
+API server's CEL (cluster tests) must reject with the rule's message at the given location."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from disagg_operator.rules import RULES
+from disagg_operator.spec import API_VERSION, KIND
+
+MESSAGES = {r.id: r.message for r in RULES}
+
+
+def base(name: str = "m") -> dict[str, Any]:
+    """The smallest valid object; every case changes one thing."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
+            "spec": {"model": {"source": "hf://Qwen/Qwen3-0.6B"}}}
+
+
+def merged(into: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(into)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@dataclass(frozen=True)
+class Invalid:
+    rule: str  # rules.Rule.id
+    spec: dict[str, Any]  # merged into base()["spec"]
+    where: str  # where the error is reported (pydantic spelling: list indexes as .N)
+    name: str = "m"
+
+    @property
+    def message(self) -> str:
+        return MESSAGES[self.rule]
+
+    def document(self) -> dict[str, Any]:
+        doc = base(self.name)
+        doc["spec"] = merged(doc["spec"], self.spec)
+        return doc
+
+
+def pools(**pools: Any) -> dict[str, Any]:
+    return {"pools": pools}
+
+
+def model(**fields: Any) -> dict[str, Any]:
+    return {"model": fields}
+
+
+INVALID: tuple[Invalid, ...] = (
+    Invalid("name", {}, "metadata.name", name="9-lives"),
+    Invalid("prefill-needs-connector", {"kvTransfer": {"connector": "None"}}, "spec.kvTransfer.connector"),
+    Invalid("distinct-ports", {"router": {"port": 8200}}, "spec.router.port"),
+    Invalid("model.source", model(source="s3://bucket/qwen"), "spec.model.source"),
+    Invalid("model.max-model-len", model(maxModelLen=0), "spec.model.maxModelLen"),
+    Invalid("model.auto-tool-choice-needs-parser", model(enableAutoToolChoice=True), "spec.model.enableAutoToolChoice"),
+    Invalid("model.engine-args", model(engineArgs=["--dtype", "bfloat16", "--port=9000"]), "spec.model.engineArgs"),
+    Invalid("chat-template.one-source", model(chatTemplate={}), "spec.model.chatTemplate"),
+    Invalid("env.one-value", model(env=[{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]),
+            "spec.model.env.0"),
+    Invalid("engine.vllm-version", {"engine": {"vllmVersion": "0.31.2"}}, "spec.engine.vllmVersion"),
+    Invalid("engine.port", {"engine": {"port": 80}}, "spec.engine.port"),
+    Invalid("kv.connector", {"kvTransfer": {"connector": "LMCacheConnectorV1"}}, "spec.kvTransfer.connector"),
+    Invalid("kv.side-channel-port", {"kvTransfer": {"sideChannelPort": 70000}}, "spec.kvTransfer.sideChannelPort"),
+    Invalid("pools.decode-replicas", pools(decode={"replicas": 0}), "spec.pools.decode.replicas"),
+    Invalid("pools.derender-needs-render", pools(render={"replicas": 0}, derender={"replicas": 1}), "spec.pools.derender"),
+    Invalid("GPUPoolSpec.replicas", pools(prefill={"replicas": -1}), "spec.pools.prefill.replicas"),
+    Invalid("CPUPoolSpec.replicas", pools(render={"replicas": -2}), "spec.pools.render.replicas"),
+    Invalid("GPUPoolSpec.autoscaling-needs-replicas", pools(prefill={"replicas": 0, "autoscaling": {"maxReplicas": 2}}),
+            "spec.pools.prefill.autoscaling"),
+    Invalid("CPUPoolSpec.autoscaling-needs-replicas", pools(render={"replicas": 0, "autoscaling": {"maxReplicas": 2}}),
+            "spec.pools.render.autoscaling"),
+    Invalid("GPUPoolSpec.extra-args", pools(decode={"extraArgs": ["--tool-call-parser=hermes"]}),
+            "spec.pools.decode.extraArgs"),
+    Invalid("CPUPoolSpec.extra-args", pools(render={"extraArgs": ["--trust_remote_code"]}), "spec.pools.render.extraArgs"),
+    Invalid("parallelism.tensor", pools(decode={"parallelism": {"tensor": 0}}), "spec.pools.decode.parallelism.tensor"),
+    Invalid("parallelism.data", pools(prefill={"parallelism": {"data": 0}}), "spec.pools.prefill.parallelism.data"),
+    Invalid("cpu-pool.renderer-workers", pools(render={"rendererWorkers": 0}), "spec.pools.render.rendererWorkers"),
+    Invalid("autoscaling.min", pools(render={"autoscaling": {"minReplicas": 0, "maxReplicas": 3}}),
+            "spec.pools.render.autoscaling.minReplicas"),
+    Invalid("autoscaling.min-le-max", pools(decode={"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}),
+            "spec.pools.decode.autoscaling.maxReplicas"),
+    Invalid("autoscaling.one-target", pools(render={"autoscaling": {
+        "maxReplicas": 4, "targetCPUUtilizationPercentage": 70,
+        "metrics": [{"type": "Resource", "resource": {"name": "memory", "target": {"type": "Utilization", "averageUtilization": 80}}}],
+    }}), "spec.pools.render.autoscaling"),
+    Invalid("autoscaling.cpu-target", pools(render={"autoscaling": {"maxReplicas": 4, "targetCPUUtilizationPercentage": 0}}),
+            "spec.pools.render.autoscaling.targetCPUUtilizationPercentage"),
+    Invalid("router.port", {"router": {"port": 443}}, "spec.router.port"),
+    Invalid("router.retries", {"router": {"retries": 9}}, "spec.router.retries"),
+    Invalid("router.max-body-bytes", {"router": {"maxBodyBytes": 10}}, "spec.router.maxBodyBytes"),
+    Invalid("router.timeouts", {"router": {"timeouts": {"prefillSeconds": 0}}}, "spec.router.timeouts"),
+    Invalid("router.service-port", {"router": {"service": {"port": 0}}}, "spec.router.service.port"),
+)

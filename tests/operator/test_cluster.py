@@ -1,0 +1,309 @@
+"""The CRD and the operator against the real control plane (kwok nodes make pods Ready).
+
+Every wait is a poll for an observable condition with a stated bound (``cluster.wait_for``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from disagg_operator.objects import build_objects, names
+from disagg_operator.plan import Plan, Role, build_plan
+from disagg_operator.spec import parse_manifest
+from tests.harness.cluster import Cluster
+from tests.operator.cases import INVALID, Invalid, base, merged
+from tests.operator.conftest import OperatorProcess
+from tests.operator.builders import PARSER_FLAGS, TOKENIZER_FLAGS, flags
+
+pytestmark = pytest.mark.cluster
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b.yaml"
+KINDS = "serviceaccounts,roles,rolebindings,configmaps,services,deployments,horizontalpodautoscalers,poddisruptionbudgets"
+READY_TIMEOUT = 240  # kwok marks pods Ready; a loaded 2-core machine needs time
+
+
+def example() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def apply(cluster: Cluster, ns: str, *docs: dict[str, Any], check: bool = True):  # type: ignore[no-untyped-def]
+    items = {"apiVersion": "v1", "kind": "List", "items": list(docs)}
+    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(items), check=check)
+
+
+def get(cluster: Cluster, ns: str, *what: str) -> dict[str, Any]:
+    return json.loads(cluster.kubectl("get", "-n", ns, *what, "-o", "json").stdout)
+
+
+def children(cluster: Cluster, ns: str, model: str) -> dict[tuple[str, str], dict[str, Any]]:
+    items = get(cluster, ns, KINDS, "-l", f"{names.INSTANCE}={model}", "--show-managed-fields")["items"]
+    return {(o["kind"], o["metadata"]["name"]): o for o in items}
+
+
+def expected_plan(doc: dict[str, Any], ns: str) -> Plan:
+    manifest = parse_manifest(doc, ns)
+    return build_plan(manifest.spec, manifest.name, ns)
+
+
+def expected_keys(plan: Plan) -> set[tuple[str, str]]:
+    return {(o["kind"], o["metadata"]["name"]) for o in build_objects(plan)}
+
+
+def condition(obj: dict[str, Any], kind: str) -> str | None:
+    return next((c["status"] for c in obj.get("status", {}).get("conditions", []) if c["type"] == kind), None)
+
+
+def wait_ready(cluster: Cluster, op: OperatorProcess, ns: str, name: str, generation: int | None = None) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        dm = get(cluster, ns, "dm", name)
+        status = dm.get("status", {})
+        current = status.get("observedGeneration") == (generation or dm["metadata"]["generation"])
+        return dm if current and condition(dm, "Ready") == "True" else None
+
+    try:
+        return cluster.wait_for(ready, f"{ns}/{name} Ready", timeout=READY_TIMEOUT)
+    except AssertionError as exc:
+        dm = get(cluster, ns, "dm", name)
+        conditions = [(c["type"], c["status"], c.get("message")) for c in dm.get("status", {}).get("conditions", [])]
+        raise AssertionError(f"{exc}\n--- conditions: {conditions}\n--- operator log ---\n{op.log_tail()}") from None
+
+
+def container_args(deployment: dict[str, Any], container: str = names.VLLM_CONTAINER) -> list[str]:
+    c = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == container)
+    return c["command"] + c["args"]
+
+
+def template_hash(deployment: dict[str, Any]) -> str:
+    return deployment["spec"]["template"]["metadata"]["annotations"][names.CONFIG_HASH]
+
+
+def deployments(cluster: Cluster, ns: str, model: str) -> dict[str, dict[str, Any]]:
+    items = get(cluster, ns, "deployments", "-l", f"{names.INSTANCE}={model}")["items"]
+    return {o["metadata"]["labels"][names.POOL]: o for o in items}
+
+
+# --- the example -------------------------------------------------------------------------------
+
+def test_example_gets_every_child_with_consistent_flags(cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+    plan = expected_plan(example(), ns)
+    want = expected_keys(plan)
+    cluster.wait_for(lambda: want <= set(children(cluster, ns, "qwen3-8b")), "every child of qwen3-8b", timeout=60)
+    live = children(cluster, ns, "qwen3-8b")
+    assert set(live) == want
+    for obj in live.values():
+        ref = obj["metadata"]["ownerReferences"][0]
+        assert (ref["kind"], ref["name"], ref["controller"]) == ("DisaggregatedModel", "qwen3-8b", True)
+        assert any(m["manager"] == "disagg-operator" and m["operation"] == "Apply"
+                   for m in obj["metadata"]["managedFields"])
+
+    pods = deployments(cluster, ns, "qwen3-8b")
+    views = {role: flags(container_args(pods[role])) for role in ("render", "decode", "prefill")}
+    shared = TOKENIZER_FLAGS + PARSER_FLAGS
+    assert {k: views["render"].get(k) for k in shared} == {k: views["decode"].get(k) for k in shared}
+    assert views["decode"]["--reasoning-parser"] == "qwen3" and views["decode"]["--tool-call-parser"] == "hermes"
+    assert container_args(pods["render"])[3] == container_args(pods["decode"])[2] == "Qwen/Qwen3-8B"
+    assert views["prefill"]["--tokens-only"] is True
+    assert not any(k in views["prefill"] for k in PARSER_FLAGS + ("--chat-template",))
+    assert json.loads(views["prefill"]["--kv-transfer-config"]) == json.loads(views["decode"]["--kv-transfer-config"]) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backends": ["UCX"]}}
+    vllm = next(c for c in pods["prefill"]["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm")
+    assert {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}} in vllm["env"]
+
+    config = yaml.safe_load(live[("ConfigMap", "qwen3-8b-config")]["data"]["sidecar.yaml"])
+    assert config == dict(plan.sidecar.config)
+    services = {name for kind, name in live if kind == "Service"}
+    assert config["prefill"]["discovery"]["service"] in services
+    for tier in ("render", "derender"):
+        host = config[tier]["url"].removeprefix("http://").split(".")[0]
+        assert host in services and config[tier]["url"].startswith(f"http://{host}.{ns}.svc:")
+
+    dm = wait_ready(cluster, operator, ns, "qwen3-8b")
+    status = dm["status"]
+    assert status["readyPools"] == "3/3" and status["endpoint"] == f"http://qwen3-8b.{ns}.svc:8000"
+    assert {role: p["readyReplicas"] for role, p in status["pools"].items()} == {"prefill": 2, "decode": 2, "render": 2}
+    assert {c["type"] for c in status["conditions"]} == {
+        "Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "ConfigConsistent", "Progressing",
+        "Degraded"}
+    table = cluster.kubectl("get", "dm", "-n", ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "READY", "POOLS", "ENDPOINT", "AGE"]
+    assert table[1].split()[:4] == ["qwen3-8b", "True", "3/3", f"http://qwen3-8b.{ns}.svc:8000"]
+
+
+def test_a_change_rolls_exactly_the_affected_pools(cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
+    doc = merged(example(), {"spec": {"pools": {"derender": {"replicas": 1}}}})
+    apply(cluster, ns, doc)
+    wait_ready(cluster, operator, ns, "qwen3-8b")
+    before = deployments(cluster, ns, "qwen3-8b")
+    assert set(before) == {"prefill", "decode", "render", "derender"}
+
+    cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"model": {"reasoningParser": "deepseek_r1"}}}))
+    dm = wait_ready(cluster, operator, ns, "qwen3-8b")
+    after = deployments(cluster, ns, "qwen3-8b")
+    rolled = {role for role in before if template_hash(before[role]) != template_hash(after[role])}
+    assert rolled == {"decode", "render", "derender"}
+    assert after["prefill"]["metadata"]["generation"] == before["prefill"]["metadata"]["generation"]
+    assert flags(container_args(after["derender"]))["--reasoning-parser"] == "deepseek_r1"
+    assert dm["status"]["observedGeneration"] == dm["metadata"]["generation"]
+
+    cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"pools": {"prefill": {"replicas": 3}}}}))
+    dm = wait_ready(cluster, operator, ns, "qwen3-8b")
+    final = deployments(cluster, ns, "qwen3-8b")
+    touched = {role for role in after if final[role]["metadata"]["generation"] != after[role]["metadata"]["generation"]}
+    assert touched == {"prefill"} and final["prefill"]["spec"]["replicas"] == 3
+    assert dm["status"]["pools"]["prefill"]["readyReplicas"] == 3
+
+
+# --- validation --------------------------------------------------------------------------------
+
+def k8s_path(where: str) -> str:
+    """spec.model.env.0 (pydantic) → spec.model.env[0] (API server)."""
+    return re.sub(r"\.(\d+)", r"[\1]", where)
+
+
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.rule)
+def test_the_api_server_rejects_each_invalid_object_with_the_rule_message(cluster: Cluster, crd_installed: Path,
+                                                                          ns: str, case: Invalid) -> None:
+    result = apply(cluster, ns, case.document(), check=False)
+    assert result.returncode != 0, f"{case.rule} was accepted"
+    assert case.message in result.stderr, result.stderr
+    if case.rule != "name":
+        assert f"{k8s_path(case.where)}: Invalid value" in result.stderr, result.stderr
+    assert cluster.kubectl("get", "dm", "-n", ns, "-o", "name").stdout == ""
+
+
+def test_the_api_server_accepts_and_defaults_a_minimal_object(cluster: Cluster, crd_installed: Path, ns: str) -> None:
+    apply(cluster, ns, base("tiny"))
+    stored = get(cluster, ns, "dm", "tiny")
+    assert parse_manifest(stored).spec == parse_manifest(base("tiny")).spec
+    assert stored["spec"]["pools"]["decode"]["replicas"] == 1
+    assert stored["spec"]["kvTransfer"]["connector"] == "NixlConnector"
+
+
+# --- self-healing, garbage collection, restarts --------------------------------------------------
+
+def test_deleted_and_edited_children_are_restored_and_gc_removes_all(cluster: Cluster, operator: OperatorProcess,
+                                                                    ns: str) -> None:
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+    wait_ready(cluster, operator, ns, "qwen3-8b")
+    old = deployments(cluster, ns, "qwen3-8b")["decode"]["metadata"]["uid"]
+    cluster.kubectl("delete", "deployment", "qwen3-8b-decode", "-n", ns, "--wait=false")
+    cluster.wait_for(lambda: deployments(cluster, ns, "qwen3-8b").get("decode", {}).get("metadata", {}).get("uid") not in (None, old),
+                     "the decode Deployment recreated", timeout=30)
+
+    want_selector = get(cluster, ns, "service", "qwen3-8b-render")["spec"]["selector"]
+    cluster.kubectl("patch", "service", "qwen3-8b-render", "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"selector": {names.POOL: "decode"}}}))
+    cluster.wait_for(lambda: get(cluster, ns, "service", "qwen3-8b-render")["spec"]["selector"] == want_selector,
+                     "the render Service selector restored", timeout=30)
+    want_args = container_args(deployments(cluster, ns, "qwen3-8b")["render"])
+    cluster.kubectl("patch", "deployment", "qwen3-8b-render", "-n", ns, "--type=json", "-p", json.dumps(
+        [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--enforce-eager"}]))
+    cluster.wait_for(lambda: container_args(deployments(cluster, ns, "qwen3-8b")["render"]) == want_args,
+                     "the render args restored", timeout=30)
+
+    cluster.kubectl("delete", "dm", "qwen3-8b", "-n", ns, "--wait=false")
+    cluster.wait_for(lambda: not children(cluster, ns, "qwen3-8b"), "garbage collection of every child", timeout=60)
+
+
+OPERATOR_MANAGERS = {"disagg-operator", "kopf"}  # server-side apply / status patches / kopf bookkeeping
+
+
+def operator_writes(cluster: Cluster, ns: str) -> dict[tuple[str, str], list[tuple[str, str, str]]]:
+    """Per object, the operator's managedFields entries (a write by the operator changes their time)."""
+    items = get(cluster, ns, KINDS, "-l", names.MANAGED_BY, "--show-managed-fields")["items"]
+    items += get(cluster, ns, "disaggregatedmodels", "--show-managed-fields")["items"]
+    return {(o["kind"], o["metadata"]["name"]): sorted(
+        (m["manager"], m.get("subresource", ""), m["time"]) for m in o["metadata"].get("managedFields", [])
+        if m["manager"] in OPERATOR_MANAGERS) for o in items}
+
+
+def test_an_operator_restart_writes_nothing(cluster: Cluster, crd_installed: Path, ns: str,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    op = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("restart"), args=["--namespace", ns])
+    op.start()
+    try:
+        cluster.wait_for(op.alive, "the operator", timeout=60)
+        cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+        wait_ready(cluster, op, ns, "qwen3-8b")
+        before = operator_writes(cluster, ns)
+        assert all(before.values()), before
+        op.stop()
+        op.start()
+        cluster.wait_for(op.alive, "the restarted operator", timeout=60)
+        cluster.wait_for(lambda: "Resuming is processed" in op.log(), "the resume handler to run", timeout=120)
+        # One more observable round trip through the operator: a new object gets its children.
+        apply(cluster, ns, base("marker"))
+        cluster.wait_for(lambda: children(cluster, ns, "marker"), "children of a marker object", timeout=60)
+        after = {k: v for k, v in operator_writes(cluster, ns).items() if not k[1].startswith("marker")}
+        # Controllers may still update Deployment/PDB status; the operator itself wrote nothing, and
+        # its status would only change if the Deployments' readiness had.
+        changed = sorted(k for k in before if before[k] != after.get(k))
+        assert not changed, f"written on restart: {changed}\n{op.log_tail()}"
+    finally:
+        op.stop()
+
+
+# --- scale -------------------------------------------------------------------------------------
+
+FIFTY_GOAL_SECONDS = 30.0
+
+
+def test_fifty_models_at_once_are_fully_applied_within_the_bound(cluster: Cluster, operator: OperatorProcess, ns: str,
+                                                                 record_property: Any) -> None:
+    """Bound: 30 s, or — on a machine where the API server itself is slower than that — no more than
+    twice what `kubectl apply --server-side` needs to create the very same objects directly."""
+    docs = [base(f"m{i:02d}") for i in range(50)]
+    want = sum(len(build_objects(expected_plan(d, ns))) for d in docs)
+
+    def applied(namespace: str) -> bool:
+        items = get(cluster, namespace, KINDS, "-l", f"{names.MANAGED_BY}={names.OPERATOR}")["items"]
+        return len(items) >= want
+
+    start = time.monotonic()
+    apply(cluster, ns, *docs)
+    cluster.wait_for(lambda: applied(ns), f"{want} children of 50 models", timeout=600, interval=0.5)
+    elapsed = time.monotonic() - start
+
+    baseline_ns = cluster.create_namespace("fifty-baseline")
+    try:
+        objects = [o for d in docs for o in build_objects(expected_plan(d, baseline_ns))]
+        start = time.monotonic()
+        cluster.kubectl("apply", "--server-side", "-n", baseline_ns, "-f", "-", timeout=600,
+                        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+        cluster.wait_for(lambda: applied(baseline_ns), "the baseline objects", timeout=120)
+        baseline = time.monotonic() - start
+    finally:
+        cluster.kubectl("delete", "namespace", baseline_ns, "--wait=false", check=False)
+
+    bound = max(FIFTY_GOAL_SECONDS, 2 * baseline)
+    record_property("fifty_models_seconds", round(elapsed, 1))
+    record_property("fifty_models_kubectl_baseline_seconds", round(baseline, 1))
+    print(f"50 DisaggregatedModels ({want} objects) fully applied in {elapsed:.1f}s "
+          f"(kubectl --server-side, same objects: {baseline:.1f}s; bound {bound:.1f}s)")
+    assert elapsed <= bound
+
+
+def test_separate_derender_service_switches_pools_without_rolling_decode(cluster: Cluster, operator: OperatorProcess,
+                                                                        ns: str) -> None:
+    doc = merged(example(), {"spec": {"pools": {"derender": {"replicas": 1}}}})
+    apply(cluster, ns, doc)
+    wait_ready(cluster, operator, ns, "qwen3-8b")
+    decode_generation = deployments(cluster, ns, "qwen3-8b")["decode"]["metadata"]["generation"]
+    shared = copy.deepcopy(example())
+    cluster.kubectl("replace", "-n", ns, "-f", "-", input=json.dumps(
+        {**shared, "metadata": {**shared["metadata"], "namespace": ns}}))
+    wait_ready(cluster, operator, ns, "qwen3-8b")
+    cluster.wait_for(lambda: "derender" not in deployments(cluster, ns, "qwen3-8b"), "the derender pool pruned", timeout=30)
+    assert get(cluster, ns, "service", "qwen3-8b-derender")["spec"]["selector"][names.POOL] == str(Role.RENDER)
+    assert deployments(cluster, ns, "qwen3-8b")["decode"]["metadata"]["generation"] == decode_generation

@@ -1,0 +1,92 @@
+"""`disagg crd` and `disagg manifests` through the real console-script dispatcher."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg_cli.main import main
+from disagg_operator.objects import build_objects
+from disagg_operator.plan import build_plan
+from disagg_operator.spec import parse_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "qwen3-8b.yaml"
+
+
+def test_disagg_crd_prints_the_checked_in_crd(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["crd"]) == 0
+    assert capsys.readouterr().out == (REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml").read_text()
+
+
+def test_disagg_manifests_prints_the_operator_objects(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["manifests", str(EXAMPLE), "--namespace", "serving"]) == 0
+    printed = list(yaml.safe_load_all(capsys.readouterr().out))
+    manifest = parse_manifest(yaml.safe_load(EXAMPLE.read_text()), "serving")
+    assert printed == build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
+    assert {o["metadata"]["namespace"] for o in printed} == {"serving"}
+
+
+def test_disagg_manifests_reads_a_stream_from_stdin(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    docs = [yaml.safe_load(EXAMPLE.read_text()), yaml.safe_load((REPO / "examples" / "minimal.yaml").read_text())]
+    docs[1]["metadata"]["namespace"] = "other"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(yaml.safe_dump_all(docs)))
+    assert main(["manifests", "-"]) == 0
+    printed = list(yaml.safe_load_all(capsys.readouterr().out))
+    instances = {(o["metadata"]["labels"]["app.kubernetes.io/instance"], o["metadata"]["namespace"]) for o in printed}
+    assert instances == {("qwen3-8b", "default"), ("qwen3-0-6b", "other")}
+
+
+def test_disagg_manifests_rejects_an_invalid_model_with_its_message(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["pools"]["decode"]["replicas"] = 0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["manifests", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "spec.pools.decode.replicas: pools.decode.replicas must be at least 1" in captured.err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", "document 1 is a ConfigMap, not a disagg.dev/v1alpha1"),
+    ("a: [\n", "cannot read"),
+])
+def test_disagg_manifests_explains_unusable_input(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  content: str, message: str) -> None:
+    path = tmp_path / "in.yaml"
+    path.write_text(content)
+    assert main(["manifests", str(path)]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_missing_file_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["manifests", "/nonexistent/model.yaml"]) == 1
+    assert "cannot read /nonexistent/model.yaml" in capsys.readouterr().err
+
+
+def test_pure_modules_import_neither_vllm_torch_nor_kubernetes_clients() -> None:
+    code = (
+        "import sys, disagg_operator, disagg_operator.commands, disagg_operator.crd, disagg_operator.plan, "
+        "disagg_operator.objects, disagg_operator.status\n"
+        "from disagg_operator.commands import render_manifests\n"
+        "heavy = sorted(m for m in ('vllm', 'torch', 'kopf', 'kubernetes', 'aiohttp') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_disagg_operator_help_names_its_namespace_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["operator", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--namespace NS" in out and "all namespaces" in out

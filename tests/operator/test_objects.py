@@ -1,0 +1,285 @@
+"""Plan → Kubernetes objects: names, selectors, ports, mounts, RBAC, autoscaling, rollout hashes."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from disagg_operator.objects import MANAGED_KINDS, build_objects, names, object_key
+from disagg_operator.objects.deployments import SIDECAR_COMMAND
+from disagg_operator.plan import Plan, Role
+from tests.operator.cases import merged
+from tests.operator.builders import TEMPLATE, full_spec, plan_of
+
+OWNER = names.owner_reference("disagg.dev/v1alpha1", "DisaggregatedModel", "qwen3-8b", "uid-1")
+
+
+def objects_of(plan: Plan, owner: dict[str, Any] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in build_objects(plan, owner)}
+
+
+def pod_templates(objs: dict[tuple[str, str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: o["spec"]["template"] for (kind, name), o in objs.items() if kind == "Deployment"}
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def container(template: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in template["spec"]["containers"] if c["name"] == name)
+
+
+@pytest.fixture
+def plan() -> Plan:
+    return plan_of(full_spec())
+
+
+def test_object_names(plan: Plan) -> None:
+    assert sorted(objects_of(plan)) == sorted([
+        ("ServiceAccount", "qwen3-8b-sidecar"), ("Role", "qwen3-8b-sidecar"), ("RoleBinding", "qwen3-8b-sidecar"),
+        ("ConfigMap", "qwen3-8b-config"),
+        ("Service", "qwen3-8b"), ("Service", "qwen3-8b-prefill"), ("Service", "qwen3-8b-render"),
+        ("Service", "qwen3-8b-derender"),
+        ("Deployment", "qwen3-8b-prefill"), ("Deployment", "qwen3-8b-decode"), ("Deployment", "qwen3-8b-render"),
+        ("Deployment", "qwen3-8b-derender"),
+        ("PodDisruptionBudget", "qwen3-8b-prefill"), ("PodDisruptionBudget", "qwen3-8b-decode"),
+        ("PodDisruptionBudget", "qwen3-8b-render"), ("PodDisruptionBudget", "qwen3-8b-derender"),
+    ])
+    kinds = [o["kind"] for o in build_objects(plan)]
+    assert kinds == sorted(kinds, key=[k for _, k, _ in MANAGED_KINDS].index)  # apply order
+
+
+def test_every_object_is_labelled_namespaced_and_plain_json(plan: Plan) -> None:
+    for obj in build_objects(plan):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "prod"
+        assert meta["labels"][names.INSTANCE] == "qwen3-8b"
+        assert meta["labels"][names.MANAGED_BY] == "disagg-operator"
+        assert {names.NAME, names.COMPONENT, names.PART_OF} <= set(meta["labels"])
+        assert json.loads(json.dumps(obj)) == obj  # no enums or tuples: safe for any client
+        assert yaml.safe_load(yaml.safe_dump(obj)) == obj
+
+
+def test_owner_references_only_when_an_owner_is_given(plan: Plan) -> None:
+    assert all("ownerReferences" not in o["metadata"] for o in build_objects(plan))
+    for obj in build_objects(plan, OWNER):
+        assert obj["metadata"]["ownerReferences"] == [OWNER]
+    assert OWNER["controller"] is True and OWNER["blockOwnerDeletion"] is True
+
+
+def test_deployment_selectors_match_their_pod_labels_and_only_theirs(plan: Plan) -> None:
+    objs = objects_of(plan)
+    templates = pod_templates(objs)
+    for name, template in templates.items():
+        selector = objs[("Deployment", name)]["spec"]["selector"]["matchLabels"]
+        assert [n for n, t in templates.items() if selects(selector, t["metadata"]["labels"])] == [name]
+        assert template["metadata"]["labels"][names.POOL] == name.removeprefix("qwen3-8b-")
+
+
+@pytest.mark.parametrize(("service", "pool"), [("qwen3-8b", "decode"), ("qwen3-8b-prefill", "prefill"),
+                                               ("qwen3-8b-render", "render"), ("qwen3-8b-derender", "derender")])
+def test_services_select_one_pool_and_target_ports_it_has(plan: Plan, service: str, pool: str) -> None:
+    objs = objects_of(plan)
+    svc = objs[("Service", service)]
+    templates = pod_templates(objs)
+    selected = [n for n, t in templates.items() if selects(svc["spec"]["selector"], t["metadata"]["labels"])]
+    assert selected == [f"qwen3-8b-{pool}"]
+    port_names = {p["name"] for c in templates[selected[0]]["spec"]["containers"] for p in c.get("ports", [])}
+    for port in svc["spec"]["ports"]:
+        assert port["targetPort"] in port_names
+        assert len(port["name"]) <= 15
+
+
+def test_service_shapes(plan: Plan) -> None:
+    objs = objects_of(plan)
+    client = objs[("Service", "qwen3-8b")]["spec"]
+    assert client["type"] == "ClusterIP" and client["ports"][0]["port"] == 8000
+    assert client["ports"][0]["targetPort"] == names.HTTP_PORT  # the sidecar, not vLLM
+    prefill = objs[("Service", "qwen3-8b-prefill")]["spec"]
+    assert prefill["clusterIP"] == "None"
+    assert [p["name"] for p in prefill["ports"]] == ["engine", "nixl"]
+
+
+def test_shared_derender_service_selects_render_pods() -> None:
+    spec = full_spec()
+    del spec["pools"]["derender"]
+    objs = objects_of(plan_of(spec))
+    assert ("Deployment", "qwen3-8b-derender") not in objs
+    selector = objs[("Service", "qwen3-8b-derender")]["spec"]["selector"]
+    assert selects(selector, pod_templates(objs)["qwen3-8b-render"]["metadata"]["labels"])
+
+
+def test_containers_run_arg_lists_from_the_plan(plan: Plan) -> None:
+    templates = pod_templates(objects_of(plan))
+    for pool in plan.pools:
+        vllm = container(templates[pool.name], names.VLLM_CONTAINER)
+        assert vllm["command"] + vllm["args"] == pool.argv(plan.model)
+        assert all(isinstance(a, str) for a in vllm["command"] + vllm["args"])
+        assert vllm["image"] == pool.image
+        assert not {"sh", "bash", "-c"} & set(vllm["command"])
+    sidecar = container(templates["qwen3-8b-decode"], names.SIDECAR_CONTAINER)
+    assert sidecar["command"] == SIDECAR_COMMAND == ["disagg", "sidecar", "--config", "/etc/disagg/sidecar.yaml"]
+    assert sidecar["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert [c["name"] for c in templates["qwen3-8b-decode"]["spec"]["containers"]] == ["vllm", "sidecar"]
+    assert all(len(t["spec"]["containers"]) == 1 for n, t in templates.items() if n != "qwen3-8b-decode")
+
+
+def test_probes_target_named_ports(plan: Plan) -> None:
+    for template in pod_templates(objects_of(plan)).values():
+        for c in template["spec"]["containers"]:
+            port_names = {p["name"] for p in c["ports"]}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in c:
+                    assert c[probe]["httpGet"]["port"] in port_names
+            assert "readinessProbe" in c
+
+
+def test_config_hash_annotations_come_from_the_plan(plan: Plan) -> None:
+    objs = objects_of(plan)
+    for pool in plan.pools:
+        deployment = objs[("Deployment", pool.name)]
+        assert deployment["spec"]["template"]["metadata"]["annotations"][names.CONFIG_HASH] == pool.config_hash
+        assert deployment["metadata"]["annotations"][names.CONFIG_HASH] == pool.config_hash
+
+
+def test_config_map_holds_sidecar_config_and_inline_template(plan: Plan) -> None:
+    objs = objects_of(plan)
+    data = objs[("ConfigMap", "qwen3-8b-config")]["data"]
+    assert yaml.safe_load(data["sidecar.yaml"]) == plan.sidecar.config
+    assert data["chat-template.jinja"] == TEMPLATE
+    for template in pod_templates(objs).values():  # every ConfigMap volume points at an existing key
+        for volume in template["spec"]["volumes"]:
+            if "configMap" in volume and volume["configMap"]["name"] == "qwen3-8b-config":
+                assert {i["key"] for i in volume["configMap"]["items"]} <= set(data)
+
+
+def test_chat_template_is_mounted_where_the_flag_points() -> None:
+    spec = full_spec()
+    spec["model"]["chatTemplate"] = {"configMapRef": {"name": "tpl", "key": "t.j2"}}
+    plan = plan_of(spec)
+    objs = objects_of(plan)
+    assert "chat-template.jinja" not in objs[("ConfigMap", "qwen3-8b-config")]["data"]
+    for pool in plan.pools:
+        template = pod_templates(objs)[pool.name]
+        vllm = container(template, names.VLLM_CONTAINER)
+        mounts = {m["name"]: m["mountPath"] for m in vllm["volumeMounts"]}
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        if pool.role == Role.PREFILL:  # tokens-only: no template
+            assert "chat-template" not in mounts
+            continue
+        assert mounts["chat-template"] + "/chat-template.jinja" == plan.chat_template.path
+        assert volumes["chat-template"]["configMap"] == {"name": "tpl", "items": [{"key": "t.j2", "path": "chat-template.jinja"}]}
+
+
+def test_sidecar_rbac_is_read_only_endpointslices_in_its_namespace(plan: Plan) -> None:
+    objs = objects_of(plan)
+    role = objs[("Role", "qwen3-8b-sidecar")]
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = objs[("RoleBinding", "qwen3-8b-sidecar")]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "qwen3-8b-sidecar"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qwen3-8b-sidecar", "namespace": "prod"}]
+    templates = pod_templates(objs)
+    decode = templates["qwen3-8b-decode"]["spec"]
+    assert decode["serviceAccountName"] == "qwen3-8b-sidecar"
+    # Only the sidecar container gets the API token; the pod does not automount it.
+    for pod in templates.values():
+        assert pod["spec"]["automountServiceAccountToken"] is False
+    token_mounts = [c["name"] for c in decode["containers"]
+                    if any(m["name"] == "api-token" for m in c["volumeMounts"])]
+    assert token_mounts == ["sidecar"]
+    assert all("serviceAccountName" not in t["spec"] for n, t in templates.items() if n != "qwen3-8b-decode")
+
+
+def test_without_prefill_there_is_no_prefill_service_and_no_api_access() -> None:
+    plan = plan_of(merged(full_spec(), {"pools": {"prefill": {"replicas": 0}}}))
+    objs = objects_of(plan)
+    assert not [k for k in objs if k[1].endswith("-prefill")]
+    assert not [k for k in objs if k[0] in ("ServiceAccount", "Role", "RoleBinding")]
+    decode = pod_templates(objs)["qwen3-8b-decode"]["spec"]
+    assert "serviceAccountName" not in decode
+    assert "api-token" not in {v["name"] for v in decode["volumes"]}
+
+
+def test_cpu_and_sidecar_containers_run_as_non_root(plan: Plan) -> None:
+    templates = pod_templates(objects_of(plan))
+    for pool in plan.pools:
+        template = templates[pool.name]
+        checked = [container(template, names.SIDECAR_CONTAINER)] if pool.role == Role.DECODE else []
+        if not pool.gpu:
+            checked.append(container(template, names.VLLM_CONTAINER))
+            assert template["spec"]["securityContext"]["runAsNonRoot"] is True
+        for c in checked:
+            ctx = c["securityContext"]
+            assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0
+            assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
+    assert container(templates["qwen3-8b-decode"], "sidecar")["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_gpu_pools_get_shared_memory_and_nixl_ports(plan: Plan) -> None:
+    templates = pod_templates(objects_of(plan))
+    for name in ("qwen3-8b-prefill", "qwen3-8b-decode"):
+        vllm = container(templates[name], names.VLLM_CONTAINER)
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in vllm["volumeMounts"]
+        assert {"name": "nixl", "containerPort": 5600, "protocol": "TCP"} in vllm["ports"]
+        assert {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in vllm["env"]
+
+
+def test_autoscaled_pools_get_an_hpa_and_leave_replicas_to_it() -> None:
+    plan = plan_of(merged(full_spec(), {"pools": {"render": {"autoscaling": {"minReplicas": 2, "maxReplicas": 6}}}}))
+    objs = objects_of(plan)
+    hpa = objs[("HorizontalPodAutoscaler", "qwen3-8b-render")]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen3-8b-render"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert "replicas" not in objs[("Deployment", "qwen3-8b-render")]["spec"]
+    assert objs[("Deployment", "qwen3-8b-decode")]["spec"]["replicas"] == 2
+    assert [k for k in objs if k[0] == "HorizontalPodAutoscaler"] == [("HorizontalPodAutoscaler", "qwen3-8b-render")]
+
+
+def test_disruption_budgets_select_their_pool(plan: Plan) -> None:
+    objs = objects_of(plan)
+    templates = pod_templates(objs)
+    for pool in plan.pools:
+        pdb = objs[("PodDisruptionBudget", pool.name)]
+        assert pdb["spec"]["maxUnavailable"] == 1
+        matched = [n for n, t in templates.items() if selects(pdb["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])]
+        assert matched == [pool.name]
+
+
+def changed_objects(before: Plan, after: Plan) -> set[tuple[str, str]]:
+    a = {object_key(o): o for o in build_objects(before)}
+    b = {object_key(o): o for o in build_objects(after)}
+    return {(k[1], k[3]) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def test_changing_prefill_replicas_touches_only_the_prefill_deployment() -> None:
+    after = plan_of(merged(full_spec(), {"pools": {"prefill": {"replicas": 5}}}))
+    assert changed_objects(plan_of(full_spec()), after) == {("Deployment", "qwen3-8b-prefill")}
+
+
+def test_changing_a_parser_touches_the_tokenizing_deployments_only() -> None:
+    after = plan_of(merged(full_spec(), {"model": {"reasoningParser": "deepseek_r1"}}))
+    assert changed_objects(plan_of(full_spec()), after) == {
+        ("Deployment", "qwen3-8b-decode"), ("Deployment", "qwen3-8b-render"), ("Deployment", "qwen3-8b-derender")}
+
+
+def test_switching_derender_to_shared_repoints_the_service_without_rolling_decode() -> None:
+    shared = full_spec()
+    del shared["pools"]["derender"]
+    assert changed_objects(plan_of(full_spec()), plan_of(shared)) == {
+        ("Deployment", "qwen3-8b-derender"), ("PodDisruptionBudget", "qwen3-8b-derender"),
+        ("Service", "qwen3-8b-derender")}
+
+
+def test_pvc_models_are_mounted_read_only_in_every_pool() -> None:
+    plan = plan_of(merged(full_spec(), {"model": {"source": "pvc://weights/qwen3", "revision": None}}))
+    for template in pod_templates(objects_of(plan)).values():
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+        mounts = {m["name"]: m for m in container(template, "vllm")["volumeMounts"]}
+        assert mounts["model"] == {"name": "model", "mountPath": "/models/weights", "readOnly": True}

@@ -1,0 +1,201 @@
+"""Test helpers: the sidecar in-process on a free port, and a recording pass-through proxy.
+
+The proxy forwards every request to a real vLLM server and records what it got; with a delay it
+is the "artificially slow derender endpoint" (a fault the real servers cannot produce).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import requests
+from aiohttp import web
+
+from disagg_engine.servers import free_port
+from disagg_sidecar.app import build_app
+from disagg_sidecar.config import SidecarConfig
+
+SERVED = "tiny-qwen3"
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread, for servers the (synchronous) tests talk to."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@dataclass
+class RunningSidecar:
+    url: str
+    app: web.Application
+    config: SidecarConfig
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of the sidecar's own Prometheus registry (0 when absent)."""
+        from disagg_sidecar.keys import METRICS
+
+        value = self.app[METRICS].registry.get_sample_value(name, labels)
+        return value or 0.0
+
+
+def sidecar_config(sset, **overrides: Any) -> dict[str, Any]:
+    """The config a decode pod's sidecar gets for the harness's servers (ExampleConnector KV)."""
+    config: dict[str, Any] = {
+        "served_model_name": SERVED,
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "decode": {"url": sset.url("decode")},
+        "render": {"url": sset.url("render")},
+        "prefill": {"mode": "remote", "discovery": {"kind": "static", "urls": [sset.url("prefill")]}},
+        "kv_connector": "ExampleConnector",
+        "engine": {"vllm_version": "0.32.0", "extension": True, "prefill_tokens_only": True},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+@contextmanager
+def run_sidecar(config: dict[str, Any]) -> Iterator[RunningSidecar]:
+    """``build_app`` on a free port in a background loop, as ``disagg sidecar`` runs it."""
+    port = free_port()
+    cfg = SidecarConfig.model_validate({**config, "listen": {"host": "127.0.0.1", "port": port}})
+    lt = LoopThread()
+
+    async def start() -> web.AppRunner:
+        runner = web.AppRunner(build_app(cfg), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = lt.run(start())
+    try:
+        yield RunningSidecar(f"http://127.0.0.1:{port}", runner.app, cfg)
+    finally:
+        lt.run(runner.cleanup())
+        lt.close()
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+@dataclass
+class RecordingProxy:
+    """Forwards to ``target`` after ``delay`` seconds and records each request."""
+
+    target: str
+    delay: float = 0.0
+    url: str = ""
+    calls: list[Recorded] = field(default_factory=list)
+
+    _stop: Callable[[], None] | None = None
+
+    def count(self, path: str) -> int:
+        return sum(1 for c in self.calls if c.path == path)
+
+    def stop(self) -> None:
+        """Take the endpoint away (its port refuses connections from now on)."""
+        if self._stop is not None:
+            self._stop()
+
+    def bodies(self, path: str) -> list[Any]:
+        return [c.body for c in self.calls if c.path == path]
+
+
+@contextmanager
+def recording_proxy(target: str, delay: float = 0.0) -> Iterator[RecordingProxy]:
+    proxy = RecordingProxy(target, delay)
+    lt = LoopThread()
+    port = free_port()
+
+    async def start() -> tuple[web.AppRunner, aiohttp.ClientSession]:
+        session = aiohttp.ClientSession()
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            raw = await request.read()
+            try:
+                body = json.loads(raw) if raw else None
+            except ValueError:
+                body = raw
+            proxy.calls.append(Recorded(request.path, dict(request.headers), body))
+            if proxy.delay:
+                await asyncio.sleep(proxy.delay)
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+            async with session.request(request.method, proxy.target + request.path_qs, data=raw,
+                                       headers=headers) as resp:
+                out = web.StreamResponse(status=resp.status, headers={
+                    "Content-Type": resp.headers.get("Content-Type", "application/json")})
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner, session
+
+    runner, session = lt.run(start())
+    proxy.url = f"http://127.0.0.1:{port}"
+    stopped = threading.Event()
+
+    def stop() -> None:
+        if not stopped.is_set():
+            stopped.set()
+            lt.run(runner.cleanup())
+
+    proxy._stop = stop
+    try:
+        yield proxy
+    finally:
+        stop()
+        lt.run(session.close())
+        lt.close()
+
+
+def engine_metric(url: str, name: str) -> float:
+    """Sum of a vLLM server's Prometheus samples named ``name`` (all label sets)."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes (no blind sleeps)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

@@ -1,0 +1,322 @@
+"""The sidecar's HTTP surface against the real servers: GenerateRequest clients, the legs'
+headers, the x-prefiller-host-port contract, limits, health, models and metrics.
+
+Recording proxies sit in front of real servers where a test needs to see what a leg received.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+
+from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
+from tests.sidecar.support import (
+    RunningSidecar,
+    engine_metric,
+    recording_proxy,
+    run_sidecar,
+    sidecar_config,
+    wait_for,
+)
+from disagg_engine.servers import free_port
+from disagg_sidecar.keys import STATE
+
+pytestmark = pytest.mark.engine
+GENERATE = "/inference/v1/generate"
+
+
+@pytest.fixture(scope="module")
+def proxied(engine_set) -> Iterator[tuple[RunningSidecar, dict]]:
+    """A sidecar whose render, prefill and decode legs go through recording proxies."""
+    with recording_proxy(engine_set.url("render")) as render, recording_proxy(engine_set.url("prefill")) as prefill, \
+            recording_proxy(engine_set.url("decode")) as decode:
+        config = sidecar_config(engine_set, render={"url": render.url}, decode={"url": decode.url},
+                                prefill={"discovery": {"kind": "static", "urls": [prefill.url, engine_set.url("prefill")]}})
+        with run_sidecar(config) as sidecar:
+            yield sidecar, {"render": render, "prefill": prefill, "decode": decode}
+
+
+def _clear(proxies: dict) -> None:
+    for p in proxies.values():
+        p.calls.clear()
+
+
+def _post_with_headers(url: str, body: dict, headers: list[tuple[str, str]]) -> tuple[int, dict]:
+    """POST with repeated header lines (requests folds them into one)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        data = json.dumps(body).encode()
+        conn.putrequest("POST", parts.path)
+        for name, value in [("Content-Type", "application/json"), ("Content-Length", str(len(data))), *headers]:
+            conn.putheader(name, value)
+        conn.endheaders(data)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def _host_port(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}"
+
+
+# -- GenerateRequest clients -------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+def test_generate_request_client(engine_set, forcer, proxied, stream: bool) -> None:
+    sidecar, proxies = proxied
+    chat = forcer.chat_body("reasoning_tool_call", stream=stream)
+    gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=60).json()
+    client_body = {**gen, "output_mode": "derender", "chat_request": chat}
+    prefill_url = proxies["prefill"].url
+    _clear(proxies)
+    finished_before = engine_metric(engine_set.url("prefill"), "vllm:request_success_total")
+    resp = requests.post(sidecar.url + GENERATE, json=client_body, stream=stream, timeout=120,
+                         headers={"x-prefiller-host-port": _host_port(prefill_url), "X-Request-Id": f"gen-{stream}"})
+    assert resp.status_code == 200, resp.text
+    coupled = requests.post(engine_set.url("coupled") + "/v1/chat/completions", json=chat, stream=stream, timeout=60)
+    if stream:
+        events = list(sse_events(resp.iter_lines()))
+        assert events[-1] == "[DONE]"
+        assert all(e["output_mode"] == "derender" for e in events[:-1])
+        # The engine's own generate chunks, passed through; their deltas add up to coupled's.
+        assert chat_stream_view(events) == chat_stream_view(list(sse_events(coupled.iter_lines())))
+    else:
+        out = resp.json()
+        assert out["output_mode"] == "derender" and out["request_id"] == f"generate-tokens-gen-{stream}"
+        assert chat_view(out) == chat_view(coupled.json())
+    # The prefill leg: tokens, one token, not streamed, no chat context; observed by the engine too.
+    (prefill_leg,) = proxies["prefill"].bodies(GENERATE)
+    assert prefill_leg["output_mode"] == "tokens" and prefill_leg["stream"] is False
+    assert "chat_request" not in prefill_leg and "parse_context" not in prefill_leg
+    assert prefill_leg["sampling_params"]["max_tokens"] == 1 and prefill_leg["sampling_params"]["n"] == 1
+    assert "stream_options" not in prefill_leg and prefill_leg["token_ids"] == gen["token_ids"]
+    assert wait_for(lambda: engine_metric(engine_set.url("prefill"), "vllm:request_success_total")
+                    == finished_before + 1, timeout=10)
+    # The decode leg: the client's mode and chat context, the client's stream flag.
+    (decode_leg,) = proxies["decode"].bodies(GENERATE)
+    assert decode_leg["output_mode"] == "derender" and decode_leg["chat_request"] == chat
+    assert decode_leg["stream"] is stream and decode_leg["kv_transfer_params"] is None
+    assert decode_leg["sampling_params"] == gen["sampling_params"]
+    assert proxies["render"].count("/v1/chat/completions/render") == 0, "a GenerateRequest is not rendered"
+
+
+def test_generate_request_tokens_mode_passes_through(engine_set, forcer, proxied) -> None:
+    sidecar, proxies = proxied
+    chat = forcer.chat_body("plain")
+    gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=60).json()
+    direct = requests.post(engine_set.url("decode") + GENERATE, json=gen, timeout=60).json()
+    out = requests.post(sidecar.url + GENERATE, json=gen, timeout=60).json()
+    assert out["output_mode"] == "tokens"
+    assert [c["token_ids"] for c in out["choices"]] == [c["token_ids"] for c in direct["choices"]]
+
+
+def test_generate_request_errors_are_the_engines(proxied) -> None:
+    sidecar, _ = proxied
+    resp = requests.post(sidecar.url + GENERATE, json={"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 0}},
+                         timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
+
+
+# -- headers on the legs -----------------------------------------------------------------------
+
+def test_legs_share_the_request_id_and_get_the_trace_context(forcer, proxied) -> None:
+    sidecar, proxies = proxied
+    _clear(proxies)
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    resp = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"), timeout=60, headers={
+        "traceparent": traceparent, "tracestate": "vendor=1", "X-Request-Id": "trace-me",
+        "x-prefiller-host-port": _host_port(proxies["prefill"].url), "Authorization": "Bearer secret"})
+    assert resp.status_code == 200 and resp.json()["id"] == "chatcmpl-trace-me"
+    legs = [c for p in proxies.values() for c in p.calls if c.path != "/health" and "capabilities" not in c.path]
+    assert {c.path for c in legs} == {"/v1/chat/completions/render", GENERATE}
+    assert len(legs) == 3
+    for call in legs:
+        headers = {k.lower(): v for k, v in call.headers.items()}
+        assert headers["x-request-id"] == "trace-me"
+        assert headers["traceparent"] == traceparent and headers["tracestate"] == "vendor=1"
+        assert "x-prefiller-host-port" not in headers, "stripped before forwarding"
+        assert "authorization" not in headers, "client credentials stay at the sidecar"
+
+
+def test_invalid_traceparent_is_dropped(forcer, proxied) -> None:
+    sidecar, proxies = proxied
+    _clear(proxies)
+    resp = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"), timeout=60,
+                         headers={"traceparent": "not-a-trace"})
+    assert resp.status_code == 200
+    assert all("traceparent" not in {k.lower() for k in c.headers} for p in proxies.values() for c in p.calls)
+
+
+# -- x-prefiller-host-port -----------------------------------------------------------------------
+
+def test_prefiller_header_selects_an_allowlisted_endpoint(forcer, proxied) -> None:
+    sidecar, proxies = proxied
+    for _ in range(3):
+        _clear(proxies)
+        resp = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"), timeout=60,
+                             headers={"x-prefiller-host-port": _host_port(proxies["prefill"].url)})
+        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote"
+        assert proxies["prefill"].count(GENERATE) == 1
+
+
+def test_rejected_prefiller_headers_cause_no_connection(engine_set, forcer, proxied) -> None:
+    """Malformed, repeated or off-list targets: 400/403, and nothing is contacted at all."""
+    sidecar, proxies = proxied
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(16)
+        trap.setblocking(False)
+        port = trap.getsockname()[1]
+        prefill = _host_port(proxies["prefill"].url)
+        cases: list[tuple[list[str], int]] = [
+            ([f"127.0.0.1:{port}"], 403),  # a listening port that is not a prefill endpoint
+            ([f"localhost:{port}"], 403),
+            ([f"[::1]:{port}"], 403),
+            ([f"169.254.169.254:{port}"], 403),
+            ([f"http://127.0.0.1:{port}"], 400),
+            ([f"127.0.0.1:{port}/v1"], 400),
+            ([f"127.0.0.1:{port},{prefill}"], 400),
+            ([f"{prefill},127.0.0.1:{port}"], 400),
+            ([f"user@127.0.0.1:{port}"], 400),
+            (["127.0.0.1"], 400),
+            ([f"127.0.0.1:{port}:1"], 400),
+            (["127.0.0.1:99999"], 400),
+            ([prefill, f"127.0.0.1:{port}"], 400),  # repeated header
+            ([prefill, prefill], 400),
+        ]
+        _clear(proxies)
+        render_before = engine_set.servers["render"].log_path.read_text(errors="replace").count("/render")
+        for values, status in cases:
+            got, body = _post_with_headers(sidecar.url + "/v1/chat/completions", forcer.chat_body("plain"),
+                                           [("x-prefiller-host-port", v) for v in values])
+            assert got == status, (values, body)
+            error = body["error"]
+            assert error["code"] == status and error["param"] == "x-prefiller-host-port"
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # the trap never saw a connection attempt
+    legs = [c for p in proxies.values() for c in p.calls if c.path not in ("/health", "/disagg/v1/capabilities")]
+    assert legs == [], "no leg was sent for a rejected request"
+    assert engine_set.servers["render"].log_path.read_text(errors="replace").count("/render") == render_before
+
+
+def test_short_prompts_skip_the_prefill_leg(engine_set, forcer) -> None:
+    with recording_proxy(engine_set.url("prefill")) as prefill:
+        config = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [prefill.url]},
+                                                     "min_prompt_tokens": 100})
+        with run_sidecar(config) as sidecar:
+            short = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"), timeout=60)
+            assert short.status_code == 200 and short.headers["x-disagg-prefill"] == "skipped"
+            assert prefill.count(GENERATE) == 0
+            long = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("tool_call"), timeout=60)
+            assert long.status_code == 200 and long.headers["x-disagg-prefill"] == "remote"  # tools: a long prompt
+            assert prefill.count(GENERATE) == 1
+
+
+def test_untrusted_prefiller_header_is_ignored(engine_set, forcer) -> None:
+    config = sidecar_config(engine_set, prefill={"trust_prefiller_header": False})
+    with run_sidecar(config) as sidecar:
+        resp = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"), timeout=60,
+                             headers={"x-prefiller-host-port": "127.0.0.1:1"})
+        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote"
+
+
+# -- limits and validation -----------------------------------------------------------------------
+
+def test_request_validation(engine_set, forcer) -> None:
+    with recording_proxy(engine_set.url("render")) as render:
+        config = sidecar_config(engine_set, render={"url": render.url}, max_body_bytes=4096)
+        with run_sidecar(config) as sidecar:
+            url = sidecar.url + "/v1/chat/completions"
+            big = forcer.chat_body("plain", messages=[{"role": "user", "content": "x" * 5000}])
+            cases = [
+                (requests.post(url, json=big, timeout=30), 413),
+                (requests.post(url, data=b"{not json", headers={"Content-Type": "application/json"}, timeout=30), 400),
+                (requests.post(url, data=b"[1, 2]", headers={"Content-Type": "application/json"}, timeout=30), 400),
+                (requests.post(url, data=json.dumps(forcer.chat_body("plain")), headers={"Content-Type": "text/plain"},
+                               timeout=30), 400),
+                (requests.post(url, json=forcer.chat_body("plain"), headers={"X-Request-Id": "a b"}, timeout=30), 400),
+                (requests.post(url, json=forcer.chat_body("plain", n=0), timeout=30), 400),
+                (requests.post(sidecar.url + GENERATE, json={"token_ids": []}, timeout=30), 400),
+            ]
+            for resp, status in cases:
+                assert resp.status_code == status, resp.text
+                assert resp.json()["error"]["code"] == status
+            assert render.count("/v1/chat/completions/render") == 0, "refused before any leg"
+            # vLLM's own validation comes back as vLLM said it.
+            resp = requests.post(url, json=forcer.chat_body("plain", messages=[]), timeout=30)
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
+
+
+def test_max_concurrent_requests(engine_set, forcer) -> None:
+    config = sidecar_config(engine_set, limits={"max_concurrent_requests": 1})
+    with run_sidecar(config) as sidecar:
+        body = forcer.chat_body("plain", stream=True,
+                                vllm_xargs=forcer.xargs("word " * 300), max_tokens=400)
+        first = requests.post(sidecar.url + "/v1/chat/completions", json=body, stream=True, timeout=60)
+        try:
+            assert wait_for(lambda: sidecar.app[STATE].in_flight == 1, timeout=10)
+            resp = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"), timeout=30)
+            assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+            assert resp.json()["error"]["type"] == "ServiceUnavailableError"
+            assert sidecar.metric("disagg_sidecar_rejected_requests_total", reason="concurrency") == 1
+        finally:
+            first.close()
+        assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=10)
+        assert requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"),
+                             timeout=60).status_code == 200
+
+
+# -- health, models, metrics -----------------------------------------------------------------------
+
+def test_health_models_metrics(forcer, inline_sidecar) -> None:
+    assert requests.post(inline_sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"),
+                         timeout=60).status_code == 200
+    assert requests.get(inline_sidecar.url + "/health", timeout=10).json() == {"status": "ready"}
+    assert requests.get(inline_sidecar.url + "/health/live", timeout=10).status_code == 200
+    models = requests.get(inline_sidecar.url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-qwen3"]
+    text = requests.get(inline_sidecar.url + "/metrics", timeout=10).text
+    for name in ("disagg_sidecar_requests_total", "disagg_sidecar_leg_seconds_bucket", "disagg_sidecar_prefill_total",
+                 "disagg_sidecar_requests_in_flight"):
+        assert name in text
+
+
+def test_not_ready_without_a_reachable_render_tier(engine_set, forcer) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = sidecar_config(engine_set, render={"url": dead}, limits={"health_interval_seconds": 0.2})
+    with run_sidecar(config) as sidecar:
+        resp = requests.get(sidecar.url + "/health", timeout=10)
+        assert resp.status_code == 503 and "render unreachable" in resp.json()["reasons"]
+        resp = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"), timeout=30)
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+        assert "render" in resp.json()["error"]["message"]
+
+
+def test_decode_engine_down_is_503(engine_set, forcer) -> None:
+    config = sidecar_config(engine_set, decode={"url": f"http://127.0.0.1:{free_port()}"})
+    with run_sidecar(config) as sidecar:
+        assert requests.get(sidecar.url + "/health", timeout=10).status_code == 503
+        assert requests.get(sidecar.url + "/v1/models", timeout=10).status_code == 503
+        resp = requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"), timeout=30)
+        assert resp.status_code == 503 and "decode" in resp.json()["error"]["message"]
+
+
+def test_chat_with_render_local_uses_the_decode_engine(engine_set, forcer) -> None:
+    """``render: {mode: local}``: the decode engine renders and derenders (no render pool)."""
+    config = sidecar_config(engine_set, render={"mode": "local"},
+                            decode={"capabilities": {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}})
+    del config["render"]["url"]
+    with run_sidecar(config) as sidecar:
+        body = forcer.chat_body("reasoning_tool_call")
+        got = requests.post(sidecar.url + "/v1/chat/completions", json=body, timeout=60).json()
+        want = requests.post(engine_set.url("coupled") + "/v1/chat/completions", json=body, timeout=60).json()
+        assert chat_view(got) == chat_view(want)

@@ -1,0 +1,108 @@
+"""The configuration file: what the operator and local mode write is what the sidecar reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from disagg_sidecar.commands import sidecar_main
+from disagg_sidecar.config import SidecarConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+MINIMAL = {"decode": {"url": "http://127.0.0.1:8200"}}
+FULL = {
+    "version": 1,
+    "served_model_name": "qwen3-8b",
+    "listen": {"host": "0.0.0.0", "port": 8000},
+    "decode": {"url": "http://127.0.0.1:8200",
+               "capabilities": {"output_modes": ["tokens", "text"], "streaming_output_modes": ["tokens"]}},
+    "render": {"mode": "remote", "urls": ["http://r1:8200", "http://r2:8200"]},
+    "derender": {"mode": "remote", "url": "http://d:8200"},
+    "prefill": {"mode": "remote", "discovery": {"kind": "dns", "host": "p.ns.svc.cluster.local", "port": 8200},
+                "selection": "least-requests", "trust_prefiller_header": True, "failure_policy": "fail",
+                "min_prompt_tokens": 64},
+    "kv_connector": "NixlConnector",
+    "timeouts": {"connect_seconds": 2, "render_seconds": 10, "prefill_seconds": 60, "decode_seconds": 600,
+                 "derender_seconds": 5},
+    "retries": 2,
+    "max_body_bytes": 1048576,
+    "limits": {"max_concurrent_requests": 64, "drain_seconds": 20, "coalesce": True, "keepalive_seconds": 3},
+    "engine": {"vllm_version": "0.33.0", "extension": True, "prefill_tokens_only": True},
+}
+
+
+def test_minimal_config_is_decode_only() -> None:
+    c = SidecarConfig.model_validate(MINIMAL)
+    assert c.render_urls == c.derender_urls == ("http://127.0.0.1:8200",)
+    assert c.prefill.mode == "local" and c.configured_capabilities.output_modes == ("tokens", "text")
+    assert c.limits.keepalive_seconds < 5
+
+
+def test_full_config(tmp_path: Path) -> None:
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(yaml.safe_dump(FULL))
+    c = load_config(path)
+    assert c.render_urls == ("http://r1:8200", "http://r2:8200") and c.derender_urls == ("http://d:8200",)
+    assert c.derender_timeout == 5 and c.prefill_tokens_only
+    assert c.configured_capabilities.streaming_output_modes == ("tokens",)
+
+
+@pytest.mark.parametrize("patch, match", [
+    ({"decode": {"url": "127.0.0.1:8200"}}, "http"),
+    ({"prefill": {"mode": "remote"}}, "discovery"),
+    ({"prefill": {"mode": "remote", "discovery": {"kind": "static", "urls": ["http://p:1"]}}, "kv_connector": None},
+     "kv_connector"),
+    ({"prefill": {"mode": "remote", "discovery": {"kind": "static", "urls": ["http://p:1"]}}, "kv_connector": "X"},
+     "unknown kv_connector"),
+    ({"render": {"mode": "remote"}}, "url"),
+    ({"limits": {"keepalive_seconds": 5}}, "less than 5"),
+    ({"timeouts": {"decode_secs": 5}}, "decode_secs"),  # typos are errors, not defaults
+    ({"version": 2}, "version"),
+])
+def test_invalid_configs(patch: dict, match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        SidecarConfig.model_validate({**MINIMAL, **patch})
+
+
+@pytest.mark.parametrize("example", ["minimal", "qwen3-8b"])
+def test_the_operators_config_is_accepted(example: str) -> None:
+    """The sidecar ConfigMap content the operator derives from the examples validates unchanged,
+    in the cluster (EndpointSlice discovery) and in local mode (static endpoints)."""
+    from disagg_operator import sidecar_config
+    from disagg_operator.plan import build_plan
+    from disagg_operator.spec import DisaggregatedModelSpec
+
+    doc = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
+    plan = build_plan(DisaggregatedModelSpec.model_validate(doc["spec"]), doc["metadata"]["name"], "ns")
+    config = SidecarConfig.model_validate(plan.sidecar.config)
+    assert config.decode.url.startswith("http://127.0.0.1:")
+    if config.prefill.mode == "remote":
+        assert config.kv_connector is not None
+    local = plan.sidecar_config(sidecar_config.static_endpoints(
+        decode_url="http://127.0.0.1:8200", render_url="http://127.0.0.1:8100", derender_url=None,
+        prefill_urls=["http://127.0.0.1:8300"]), listen_port=9000)
+    config = SidecarConfig.model_validate(local)
+    assert config.listen.port == 9000 and config.derender_urls == ("http://127.0.0.1:8200",)
+
+
+def test_command_rejects_a_bad_config(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("decode: {url: nope}\n")
+    assert sidecar_main(["--config", str(path)]) == 2
+    assert "invalid configuration" in capsys.readouterr().err
+
+
+def test_importing_the_sidecar_imports_no_vllm_or_torch() -> None:
+    code = ("import sys, pkgutil, importlib, disagg_sidecar\n"
+            "for m in pkgutil.walk_packages(disagg_sidecar.__path__, 'disagg_sidecar.'):\n"
+            "    importlib.import_module(m.name)\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'transformers'))\n"
+            "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,192 @@
+"""Parity through the official ``openai`` SDK: the sidecar (render -> prefill -> decode ->
+derender) answers like the coupled ``vllm serve`` for the forced outputs, batch and streamed,
+n=1 and n=2, on the inline path (engine extension) and the chained path (derender tier)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from tests.harness.forced import OUTPUTS
+from tests.harness.openai_views import (
+    chat_stream_view,
+    chat_view,
+    completion_stream_view,
+    completion_view,
+    sse_events,
+)
+from tests.sidecar.support import SERVED, run_sidecar, sidecar_config
+
+pytestmark = [pytest.mark.engine, pytest.mark.parity]
+
+CHAT_NAMES = ["plain", "reasoning", "tool_call", "reasoning_tool_call", "multibyte"]
+TOOL_CALL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16,}$")
+SDK_CHAT_FIELDS = {"model", "messages", "max_tokens", "n", "stream", "stream_options", "tools", "tool_choice",
+                   "stop", "logprobs", "top_logprobs", "temperature"}
+SDK_COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "n", "stream", "stream_options", "stop", "logprobs"}
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _split(body: dict[str, Any], fields: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {k: v for k, v in body.items() if k in fields}, {k: v for k, v in body.items() if k not in fields}
+
+
+def sdk_chat(url: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+    kwargs, extra = _split(body, SDK_CHAT_FIELDS)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    result = client(url).chat.completions.create(**kwargs, extra_body=extra, extra_headers=headers)
+    if body.get("stream"):
+        return [chunk.model_dump() for chunk in result]
+    return result.model_dump()
+
+
+def sdk_completion(url: str, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    kwargs, extra = _split(body, SDK_COMPLETION_FIELDS)
+    result = client(url).completions.create(**kwargs, extra_body=extra)
+    if body.get("stream"):
+        return [chunk.model_dump() for chunk in result]
+    return result.model_dump()
+
+
+def check_chat_shape(resp: dict[str, Any], request_id: str, n: int) -> None:
+    assert resp["id"] == f"chatcmpl-{request_id}" and resp["object"] == "chat.completion"
+    assert resp["model"] == SERVED and isinstance(resp["created"], int)
+    assert sorted(c["index"] for c in resp["choices"]) == list(range(n))
+    for c in resp["choices"]:
+        for call in c["message"].get("tool_calls") or []:
+            assert TOOL_CALL_ID.match(call["id"]), call["id"]
+
+
+def check_chat_stream_shape(chunks: list[dict[str, Any]], request_id: str, n: int) -> None:
+    assert {c["id"] for c in chunks} == {f"chatcmpl-{request_id}"}
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["created"] for c in chunks}) == 1 and {c["model"] for c in chunks} == {SERVED}
+    first_delta: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            first_delta.setdefault(c["index"], c["delta"])
+            for call in c["delta"].get("tool_calls") or []:
+                assert call["id"] is None or TOOL_CALL_ID.match(call["id"]), call["id"]
+    assert sorted(first_delta) == list(range(n))
+    assert all(d["role"] == "assistant" for d in first_delta.values())
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"], "usage comes last, on its own"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+@pytest.mark.parametrize("name", CHAT_NAMES)
+def test_chat_parity(engine_set, forcer, path_sidecar, name: str, stream: bool, n: int) -> None:
+    body = forcer.chat_body(name, stream=stream, n=n)
+    request_id = f"parity-{name}-{int(stream)}-{n}"
+    want = sdk_chat(engine_set.url("coupled"), body, request_id)
+    got = sdk_chat(path_sidecar.url, body, request_id)
+    if stream:
+        assert chat_stream_view(got) == chat_stream_view(want)
+        check_chat_stream_shape(got, request_id, n)
+    else:
+        assert chat_view(got) == chat_view(want)
+        check_chat_shape(got, request_id, n)
+        assert got["id"] == want["id"]
+
+
+COMPLETION_CASES = {
+    "plain": OUTPUTS["plain"][0],
+    "multibyte": OUTPUTS["multibyte"][0],
+    "markup_stays_text": OUTPUTS["reasoning_tool_call"][0],
+}
+
+
+def completion_body(forcer, name: str, stream: bool, n: int, prompt: Any = None) -> dict[str, Any]:
+    body = {"model": SERVED, "prompt": prompt or f"Complete this ({name}):", "max_tokens": 200, "n": n,
+            "vllm_xargs": forcer.xargs(COMPLETION_CASES[name]), "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+@pytest.mark.parametrize("name", list(COMPLETION_CASES))
+def test_completions_parity(engine_set, forcer, path_sidecar, name: str, stream: bool, n: int) -> None:
+    body = completion_body(forcer, name, stream, n)
+    want = sdk_completion(engine_set.url("coupled"), body)
+    got = sdk_completion(path_sidecar.url, body)
+    if stream:
+        assert completion_stream_view(got) == completion_stream_view(want)
+        assert {c["object"] for c in got} == {"text_completion"} and len({c["id"] for c in got}) == 1
+        assert got[0]["id"].startswith("cmpl-")
+    else:
+        assert completion_view(got) == completion_view(want)
+        assert got["object"] == "text_completion" and got["id"].startswith("cmpl-")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+def test_completions_with_two_prompts(engine_set, forcer, path_sidecar, stream: bool) -> None:
+    # One render answer per prompt, one prefill and decode leg each; choices indexed prompt * n + i.
+    body = completion_body(forcer, "plain", stream, 2, prompt=["First prompt here:", "A second prompt:"])
+    want = sdk_completion(engine_set.url("coupled"), body)
+    got = sdk_completion(path_sidecar.url, body)
+    view = completion_stream_view if stream else completion_view
+    assert view(got) == view(want)
+    assert sorted(view(got)["choices"]) == [0, 1, 2, 3]
+
+
+def test_completions_logprobs_go_through_the_derender_tier(engine_set, forcer, inline_sidecar) -> None:
+    # Completions logprobs only have their shape on /v1/completions/derender: chained even inline.
+    body = {**completion_body(forcer, "plain", False, 1), "logprobs": 2}
+    want = requests.post(engine_set.url("coupled") + "/v1/completions", json=body, timeout=60).json()
+    before = inline_sidecar.metric("disagg_sidecar_derender_calls_total", kind="batch")
+    got = requests.post(inline_sidecar.url + "/v1/completions", json=body, timeout=60).json()
+    assert completion_view(got) == completion_view(want)
+    lp, want_lp = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert lp[key] == want_lp[key], key
+    # vLLM 0.32's generate cuts top_logprobs to k (the sampled token counts as one); the coupled
+    # endpoint adds the sampled token to k others (vllm-scale-out-protocol.md §3.2; 0.33 fixes it).
+    for token, ours, theirs in zip(lp["tokens"], lp["top_logprobs"], want_lp["top_logprobs"]):
+        assert token in ours and len(ours) == 2 and ours.items() <= theirs.items()
+    assert inline_sidecar.metric("disagg_sidecar_derender_calls_total", kind="batch") == before + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+def test_stock_decode_engine_is_chained(engine_set, forcer, stock_sidecar, stream: bool) -> None:
+    """A decode engine without the extension: the sidecar sees no capabilities and chains."""
+    body = forcer.chat_body("reasoning_tool_call", stream=stream, n=2)
+    want = sdk_chat(engine_set.url("coupled"), body)
+    before = stock_sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream" if stream else "batch")
+    got = sdk_chat(stock_sidecar.url, body)
+    view = chat_stream_view if stream else chat_view
+    assert view(got) == view(want)
+    assert stock_sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream" if stream else "batch") > before
+    assert stock_sidecar.metric("disagg_sidecar_decode_output_mode_total", mode="derender") == 0
+
+
+def test_stream_ends_with_done_and_carries_the_headers(engine_set, forcer, path_sidecar) -> None:
+    resp = requests.post(path_sidecar.url + "/v1/chat/completions", json=forcer.chat_body("reasoning", stream=True),
+                         headers={"X-Request-Id": "sse-check"}, stream=True, timeout=60)
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    assert resp.headers["X-Request-Id"] == "sse-check" and resp.headers["x-disagg-prefill"] == "remote"
+    events = list(sse_events(resp.iter_lines()))
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert all(e["id"] == "chatcmpl-sse-check" for e in events[:-1])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+def test_engine_rejecting_derender_falls_back_to_chaining(engine_set, forcer, stream: bool) -> None:
+    """Configured as extended but not probed: a stock vLLM 0.32 answers output_mode=derender with
+    400; the sidecar chains instead, counts it, and the client sees no difference."""
+    config = sidecar_config(engine_set, decode={"url": engine_set.url("coupled"), "probe_capabilities": False})
+    body = forcer.chat_body("reasoning_tool_call", stream=stream)
+    want = sdk_chat(engine_set.url("coupled"), body)
+    with run_sidecar(config) as sidecar:
+        got = sdk_chat(sidecar.url, body)
+        assert sidecar.metric("disagg_sidecar_output_mode_fallbacks_total", requested="derender") == 1
+    view = chat_stream_view if stream else chat_view
+    assert view(got) == view(want)

@@ -1,0 +1,139 @@
+"""Pure decisions: output mode per API and capabilities, prefill route, request checks, and
+capabilities narrowed by what the engine serves."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg_sidecar.config import Capabilities
+from disagg_sidecar.errors import SidecarError
+from disagg_sidecar.plan import (
+    DecodePlan,
+    check_generate_request,
+    check_openai_request,
+    decode_plan,
+    effective_capabilities,
+    fit_to_render,
+    prefill_route,
+)
+
+ALL = ("tokens", "text", "derender")
+EXT = Capabilities(output_modes=ALL, streaming_output_modes=ALL)
+STOCK = Capabilities()  # tokens, text
+BATCH_DERENDER_ONLY = Capabilities(output_modes=ALL, streaming_output_modes=("tokens", "text"))
+NO_PARSER = Capabilities(parser_configured=False)
+TOKENS_ONLY = Capabilities(output_modes=("tokens",), streaming_output_modes=("tokens",))
+PARSE_CONTEXT_ONLY = Capabilities(output_modes=ALL, streaming_output_modes=ALL, derender_context_forms=("parse_context",))
+STOCK_033 = Capabilities(output_modes=ALL, derender_context_forms=("parse_context",))
+
+
+@pytest.mark.parametrize("api, request_, caps, expected", [
+    ("chat", {}, EXT, DecodePlan("derender", "chat", "chat_request")),
+    ("chat", {"stream": True}, EXT, DecodePlan("derender", "chat", "chat_request")),
+    ("chat", {}, STOCK, DecodePlan("tokens", "chat")),
+    ("chat", {"stream": True}, BATCH_DERENDER_ONLY, DecodePlan("tokens", "chat")),
+    ("chat", {}, BATCH_DERENDER_ONLY, DecodePlan("derender", "chat", "chat_request")),
+    ("chat", {}, NO_PARSER, DecodePlan("text", "chat")),
+    ("chat", {"stream": True}, NO_PARSER, DecodePlan("text", "chat")),
+    ("chat", {}, PARSE_CONTEXT_ONLY, DecodePlan("derender", "chat", "parse_context")),  # stock 0.33
+    ("chat", {"stream": True}, STOCK_033, DecodePlan("tokens", "chat")),  # 0.33 cannot stream derender
+    ("chat", {}, STOCK_033, DecodePlan("derender", "chat", "parse_context")),
+    ("chat", {}, TOKENS_ONLY, DecodePlan("tokens", "chat")),
+    ("completions", {}, EXT, DecodePlan("text", "completions")),
+    ("completions", {"stream": True}, STOCK, DecodePlan("text", "completions")),
+    ("completions", {"logprobs": 2}, EXT, DecodePlan("tokens", "completions")),
+    ("completions", {"logprobs": 0}, EXT, DecodePlan("tokens", "completions")),
+    ("completions", {}, TOKENS_ONLY, DecodePlan("tokens", "completions")),
+    ("generate", {}, EXT, DecodePlan("tokens", None)),
+    ("generate", {"output_mode": "derender", "stream": True}, STOCK, DecodePlan("derender", None)),
+    ("generate", {"output_mode": "text"}, TOKENS_ONLY, DecodePlan("text", None)),
+])
+def test_decode_plan(api, request_, caps, expected) -> None:
+    assert decode_plan(api, request_, caps) == expected
+
+
+def test_parse_context_needs_render_to_send_one() -> None:
+    planned = DecodePlan("derender", "chat", "parse_context")
+    assert fit_to_render(planned, {"parse_context": {"tools": None}}) == planned
+    assert fit_to_render(planned, {"parse_context": None}) == DecodePlan("tokens", "chat")  # vLLM 0.32 render
+    planned = DecodePlan("derender", "chat", "chat_request")
+    assert fit_to_render(planned, {}) == planned
+
+
+def test_chained_means_tokens_and_a_chain() -> None:
+    assert DecodePlan("tokens", "chat").chained
+    assert not DecodePlan("derender", "chat").chained
+    assert not DecodePlan("tokens", None).chained
+
+
+@pytest.mark.parametrize("remote, prompt, threshold, expected", [
+    (True, 100, 0, "remote"),
+    (True, 10, 32, "skipped"),
+    (True, 32, 32, "remote"),
+    (False, 100, 0, "local"),
+])
+def test_prefill_route(remote, prompt, threshold, expected) -> None:
+    assert prefill_route(remote, prompt, threshold) == expected
+
+
+@pytest.mark.parametrize("served, expected_modes, expected_stream", [
+    (None, ALL, ALL),  # not asked yet: configuration
+    ("absent", ("tokens", "text"), ("tokens", "text")),  # stock vLLM 0.32
+    ({"output_modes": ["tokens", "text", "derender"], "streaming_output_modes": ["tokens", "text"]},
+     ALL, ("tokens", "text")),
+    ({"output_modes": ["tokens"]}, ("tokens",), ALL),
+])
+def test_effective_capabilities(served, expected_modes, expected_stream) -> None:
+    caps = effective_capabilities(EXT, served)
+    assert caps.output_modes == expected_modes and caps.streaming_output_modes == expected_stream
+
+
+def test_absent_extension_leaves_what_stock_vllm_of_that_version_does() -> None:
+    caps = effective_capabilities(EXT, "absent", STOCK_033)
+    assert caps.output_modes == ALL and caps.streaming_output_modes == ("tokens", "text")
+    assert caps.derender_context_forms == ()  # EXT (configured) only named chat_request
+
+
+def test_configuration_only_narrows() -> None:
+    served = {"output_modes": list(ALL), "streaming_output_modes": list(ALL), "parser_configured": False,
+              "derender_context_forms": ["chat_request", "parse_context"]}
+    caps = effective_capabilities(STOCK, served)
+    assert caps.output_modes == ("tokens", "text") and caps.parser_configured is False
+    assert caps.derender_context_forms == ("chat_request",)
+
+
+@pytest.mark.parametrize("api, body, status", [
+    ("chat", [], 400),
+    ("chat", {"messages": [], "stream": "yes"}, 400),
+    ("chat", {"messages": [], "n": 0}, 400),
+    ("chat", {"messages": [], "n": True}, 400),
+    ("completions", {"prompt": "x", "echo": True}, 400),
+])
+def test_openai_request_checks(api, body, status) -> None:
+    with pytest.raises(SidecarError) as err:
+        check_openai_request(api, body)
+    assert err.value.status == status
+
+
+def test_openai_request_ok() -> None:
+    check_openai_request("chat", {"messages": [], "n": 2, "stream": None})
+    check_openai_request("completions", {"prompt": "x", "echo": False})
+
+
+@pytest.mark.parametrize("body", [
+    {"sampling_params": {}},
+    {"token_ids": [], "sampling_params": {}},
+    {"token_ids": [1, "2"], "sampling_params": {}},
+    {"token_ids": [1, True], "sampling_params": {}},
+    {"token_ids": [1], "sampling_params": []},
+    {"token_ids": [1], "sampling_params": {}, "output_mode": "html"},
+    "not an object",
+])
+def test_generate_request_checks(body) -> None:
+    with pytest.raises(SidecarError) as err:
+        check_generate_request(body)
+    assert err.value.status == 400
+
+
+def test_generate_request_ok() -> None:
+    check_generate_request({"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}, "output_mode": "derender"})

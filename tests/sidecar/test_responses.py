@@ -1,0 +1,131 @@
+"""Response shaping (pure): ids, usage, vLLM 0.32's derender quirks, chunk filtering."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg_sidecar import responses
+from disagg_sidecar.derender_fixes import chat_finish_reason, generate_for_derender, tool_call_id
+from disagg_sidecar.usage import add_usage, cached_tokens, fix_usage
+
+SHAPE = responses.Shape(id="chatcmpl-r1", created=123, model="m", prompt_tokens=10)
+NIXL_KV = {"remote_engine_id": "e", "remote_prefill_cached_tokens": 8}
+
+
+def test_usage_prompt_tokens_from_render_and_cached_tokens_from_prefill() -> None:
+    usage = {"prompt_tokens": 99, "completion_tokens": 5, "total_tokens": 104,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert fix_usage(usage, prompt_tokens=10, cached=cached_tokens(NIXL_KV)) == {
+        "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "prompt_tokens_details": {"cached_tokens": 8}}
+    # No details reported (no --enable-prompt-tokens-details): none invented, as coupled.
+    assert fix_usage({"completion_tokens": 5, "prompt_tokens_details": None}, prompt_tokens=10, cached=8)[
+        "prompt_tokens_details"] is None
+    assert cached_tokens(None) is None and cached_tokens({"remote_prefill_cached_tokens": "x"}) is None
+    assert fix_usage(None, prompt_tokens=1) is None
+
+
+def test_add_usage() -> None:
+    a = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 1}}
+    b = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 2}}
+    assert add_usage(a, b) == {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13,
+                               "prompt_tokens_details": {"cached_tokens": 3}}
+    assert add_usage(None, b) == b and add_usage(None, None) is None
+
+
+@pytest.mark.parametrize("finish, calls, tool_choice, expected", [
+    ("stop", True, None, "tool_calls"),
+    ("stop", True, "auto", "tool_calls"),
+    ("stop", False, "required", "tool_calls"),
+    ("stop", True, {"type": "function", "function": {"name": "f"}}, "stop"),  # named: coupled says stop
+    ("stop", False, None, "stop"),
+    ("length", True, None, "length"),
+])
+def test_chat_finish_reason(finish, calls, tool_choice, expected) -> None:
+    assert chat_finish_reason(finish, calls, tool_choice) == expected
+
+
+def test_tool_call_ids_get_the_coupled_prefix() -> None:
+    assert tool_call_id("90980b82a4aa8573") == "chatcmpl-tool-90980b82a4aa8573"
+    assert tool_call_id("chatcmpl-tool-90980b82a4aa8573") == "chatcmpl-tool-90980b82a4aa8573"
+    assert tool_call_id(None) is None
+
+
+def test_stop_token_is_not_sent_to_derender() -> None:
+    gen = {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [1, 2, 99],
+                        "logprobs": {"content": [{"t": 1}, {"t": 2}, {"t": 99}]}}]}
+    fixed = generate_for_derender(gen)
+    assert fixed["choices"][0]["token_ids"] == [1, 2] and len(fixed["choices"][0]["logprobs"]["content"]) == 2
+    assert gen["choices"][0]["token_ids"] == [1, 2, 99], "not mutated"
+    assert generate_for_derender(gen, include_stop_str_in_output=True) == gen
+    stop_string = {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": "STOP", "token_ids": [1, 2]}]}
+    assert generate_for_derender(stop_string) == stop_string  # a stop string is text, not a token
+    length = {"choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [1, 2]}]}
+    assert generate_for_derender(length) == length
+
+
+def test_chat_from_derender_normalises_and_uses_the_engine_usage() -> None:
+    derendered = {"id": "generate-tokens-r1", "choices": [{
+        "index": 0, "finish_reason": "stop", "stop_reason": None, "logprobs": None,
+        "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "90980b82a4aa8573", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 31, "total_tokens": 41}}
+    generate = {"choices": [{"index": 0, "token_ids": [1] * 32}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 32, "total_tokens": 42}}
+    out = responses.chat_from_derender(derendered, SHAPE, generate)
+    assert out["id"] == "chatcmpl-r1" and out["object"] == "chat.completion" and out["created"] == 123
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
+    assert out["usage"]["completion_tokens"] == 32 and out["usage"]["total_tokens"] == 42
+    assert choice["token_ids"] is None and out["kv_transfer_params"] is None
+
+
+def test_chat_from_inline_generate() -> None:
+    gen = {"output_mode": "derender", "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
+           "kv_transfer_params": {"secret": 1},
+           "choices": [{"index": 1, "finish_reason": "stop", "stop_reason": None, "token_ids": [5, 6],
+                        "message": {"role": "assistant", "content": "hi"}, "logprobs": None}]}
+    out = responses.chat_from_generate(gen, SHAPE, [1, 2, 3])
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert out["choices"][0]["token_ids"] is None and out["prompt_token_ids"] is None
+    assert out["kv_transfer_params"] is None, "engine KV handles are not the client's business"
+    with_ids = responses.Shape(**{**SHAPE.__dict__, "return_token_ids": True})
+    out = responses.chat_from_generate(gen, with_ids, [1, 2, 3])
+    assert out["choices"][0]["token_ids"] == [5, 6] and out["prompt_token_ids"] == [1, 2, 3]
+    text = responses.chat_from_generate({"choices": [{"index": 0, "text": "plain", "finish_reason": "length"}]},
+                                        SHAPE, [1])
+    assert text["choices"][0]["message"]["content"] == "plain" and text["choices"][0]["message"]["tool_calls"] == []
+
+
+def test_chat_chunks() -> None:
+    first: set[int] = set()
+    derender_chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None, "reasoning": None},
+                                   "finish_reason": None, "logprobs": None, "token_ids": None}],
+                      "usage": None, "prompt_token_ids": None}
+    out = responses.chat_chunk(derender_chunk, SHAPE, first=first)
+    assert out == {"id": "chatcmpl-r1", "object": "chat.completion.chunk", "created": 123, "model": "m",
+                   "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]}
+    # Inline derender sends chunks that only carry token ids; coupled has none of them.
+    token_only = {"choices": [{"index": 0, "delta": {}, "token_ids": [7], "finish_reason": None, "logprobs": None}],
+                  "prompt_token_ids": [1, 2]}
+    assert responses.chat_chunk(token_only, SHAPE, first=first) is None
+    finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls", "stop_reason": None}]}
+    assert responses.chat_chunk(finish, SHAPE, first=first)["choices"][0]["finish_reason"] == "tool_calls"
+    call = {"choices": [{"index": 0, "delta": {"tool_calls": [{"id": "abcdef0123456789", "index": 0,
+                                                               "function": {"name": "f", "arguments": None}}]}}]}
+    delta = responses.chat_chunk(call, SHAPE, first=first)["choices"][0]["delta"]
+    assert delta == {"tool_calls": [{"id": "chatcmpl-tool-abcdef0123456789", "index": 0, "function": {"name": "f"}}]}
+    # Text mode: the role goes on each choice's first chunk.
+    text = [responses.chat_chunk({"choices": [{"index": i, "text": t, "finish_reason": None}]}, SHAPE, first=set())
+            for i, t in ((0, "a"), (1, "b"))]
+    assert [c["choices"][0]["delta"] for c in text] == [{"role": "assistant", "content": "a"},
+                                                        {"role": "assistant", "content": "b"}]
+
+
+def test_completion_shapes_reindex_prompts() -> None:
+    shape = responses.Shape(id="cmpl-r1", created=1, model="m", prompt_tokens=4, index_offset=2)
+    chunk = responses.completion_chunk({"choices": [{"index": 1, "text": "x", "finish_reason": None}]}, shape)
+    assert chunk["choices"][0]["index"] == 3 and chunk["object"] == "text_completion"
+    assert responses.completion_chunk({"choices": [], "usage": {}}, shape) is None
+    choices = responses.completion_choices({"choices": [{"index": 0, "text": "t", "finish_reason": "stop"}]},
+                                           shape, [1, 2])
+    assert choices[0]["index"] == 2 and choices[0]["prompt_token_ids"] is None

@@ -1,0 +1,115 @@
+"""SSE parsing, chunk merging and the chained-derender lanes (pure; the derender call is a
+function passed in, here an in-memory one that records what it was given)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from disagg_sidecar.streaming import ChainedDerender, SSEParser, choice_index, merge_chunks, sse_json
+
+
+def test_sse_parser_handles_arbitrary_splits() -> None:
+    stream = (b'data: {"a": 1}\r\n\r\n' b'data: {"b":\n' b'data: 2}\n\n' b": comment\n\n" b"event: x\r\ndata: [DONE]\r\n\r\n")
+    for size in (1, 2, 3, 7, len(stream)):
+        parser = SSEParser()
+        out = []
+        for i in range(0, len(stream), size):
+            out += parser.feed(stream[i:i + size])
+        out += parser.flush()
+        assert out == [b'{"a": 1}', b'{"b":\n2}', b"[DONE]"], size
+
+
+def test_sse_json_is_one_event() -> None:
+    assert sse_json({"x": "é"}) == 'data: {"x":"é"}\n\n'.encode()
+
+
+def chunk(index: int, ids: list[int], finish: str | None = None, logprobs: list | None = None, **extra) -> dict:
+    return {"request_id": "g", "usage": None, "output_mode": "tokens", **extra,
+            "choices": [{"index": index, "finish_reason": finish, "stop_reason": None, "token_ids": ids,
+                         "logprobs": {"content": logprobs} if logprobs is not None else None}]}
+
+
+def test_merge_concatenates_tokens_and_logprobs_keeps_last_finish() -> None:
+    merged = merge_chunks([chunk(1, [1], logprobs=[{"token_id": 1}], prompt_token_ids=[9, 9]),
+                           chunk(1, [2, 3], logprobs=[{"token_id": 2}, {"token_id": 3}]),
+                           chunk(1, [], finish="stop", logprobs=[])])
+    c = merged["choices"][0]
+    assert c["index"] == 1 and c["token_ids"] == [1, 2, 3] and c["finish_reason"] == "stop"
+    assert c["logprobs"]["content"] == [{"token_id": 1}, {"token_id": 2}, {"token_id": 3}]
+    assert merged["prompt_token_ids"] == [9, 9]
+    assert merge_chunks([chunk(0, [4])]) == chunk(0, [4])
+
+
+def test_choice_index() -> None:
+    assert choice_index(chunk(3, [1])) == 3
+    assert choice_index({"choices": [], "usage": {}}) is None
+
+
+class FakeTier:
+    """Derender stand-in: returns the token ids it got; ``gate`` holds each call until released."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict, Any]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def call(self, c: dict, state: Any) -> tuple[dict, Any]:
+        self.calls.append((c, state))
+        await self.gate.wait()
+        if not c["choices"]:
+            return {"choices": [], "usage": c["usage"]}, None
+        ch = c["choices"][0]
+        return {"choices": [{"index": ch["index"], "ids": ch["token_ids"], "finish": ch["finish_reason"]}]}, \
+            (state or 0) + 1
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+async def test_lanes_coalesce_while_a_call_is_in_flight(coalesce: bool) -> None:
+    tier = FakeTier()
+    out: list[dict] = []
+
+    async def emit(c: dict) -> None:
+        out.append(c)
+
+    merged_sizes: list[int] = []
+    chained = ChainedDerender(tier.call, emit, coalesce=coalesce, on_call=merged_sizes.append)
+    tier.gate.clear()
+    chained.feed(chunk(0, [1]))
+    await asyncio.sleep(0)  # the first call starts at once
+    for t in range(2, 10):
+        chained.feed(chunk(0, [t]))
+    chained.feed(chunk(1, [100]))
+    chained.feed(chunk(0, [], finish="stop"))
+    chained.feed(chunk(1, [101], finish="length"))
+    chained.feed({"request_id": "g", "choices": [], "usage": {"completion_tokens": 12}})
+    tier.gate.set()
+    await chained.finish()
+    ids = {i: [t for c in out for ch in c["choices"] if ch["index"] == i for t in ch["ids"]] for i in (0, 1)}
+    assert ids == {0: list(range(1, 10)), 1: [100, 101]}
+    finishes = {ch["index"]: ch["finish"] for c in out for ch in c["choices"] if ch["finish"]}
+    assert finishes == {0: "stop", 1: "length"}
+    assert out[-1] == {"choices": [], "usage": {"completion_tokens": 12}}, "usage goes last"
+    assert tier.calls[-1][1] is None, "the usage chunk carries no stream_state"
+    states = [s for c, s in tier.calls if c["choices"] and c["choices"][0]["index"] == 0]
+    assert states == [None] + list(range(1, len(states))), "each call gets the state the previous one returned"
+    if coalesce:
+        # index 0: the first chunk alone, then everything that queued meanwhile in one call
+        assert len(tier.calls) == 2 + 1 + 1 and sum(merged_sizes) == 13
+    else:
+        assert len(tier.calls) == 13 and set(merged_sizes) == {1}
+
+
+async def test_a_failing_call_surfaces_in_feed_or_finish() -> None:
+    async def call(c: dict, state: Any) -> tuple[dict, Any]:
+        raise RuntimeError("derender down")
+
+    async def emit(c: dict) -> None:
+        pass
+
+    chained = ChainedDerender(call, emit)
+    chained.feed(chunk(0, [1]))
+    with pytest.raises(RuntimeError, match="derender down"):
+        await chained.finish()
