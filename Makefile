@@ -39,6 +39,7 @@ demo: setup
 
 crds: setup
 	$(BIN)/disagg crd > crds/disagg.dev_disaggregatedmodels.yaml
+	cp crds/*.yaml charts/disagg/crds/
 
 clean:
 	rm -rf $(VENV) .cluster .disagg
