@@ -1,9 +1,11 @@
-"""kopf handlers: thin glue from watch events to ``reconcile.converge``.
+"""kopf handlers: thin glue from watch events to ``reconcile``.
 
-- DisaggregatedModel create/update/resume → converge, Events for what changed, status via kopf's patch.
+- DisaggregatedModel create/update/resume → converge, Events for what changed, refresh the status.
 - An owned child changes or disappears → put back what we own in that child (a deleted one is
-  recreated, an edited field restored) and refresh the owner's status from the Deployments.
+  recreated, an edited field restored); a Deployment change refreshes the owner's status.
   Children are found in an in-memory index, never by listing the API.
+- Status writes go through one coalescing writer per model that recomputes from the live state
+  when it writes, so a burst of events costs a few writes and a stale status never lands last.
 - No finalizer: children carry controller ownerReferences, so deleting a model garbage-collects them.
 Status writes never trigger the update handler (kopf ignores status changes), and a pass with
 nothing to change writes nothing, so there is no hot loop and an operator restart is silent.
@@ -112,7 +114,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, models: kopf.
     meta = doc["metadata"]
     outcome = _converge(doc, children, memo)
     if outcome.invalid:
-        changes = status_patch(doc.get("status"), outcome.status)
+        changes = status_patch(doc.get("status"), outcome.invalid_status or {})
         if changes:
             patch.status.update(changes)
         raise kopf.PermanentError(outcome.invalid)  # retrying cannot fix the spec; the next edit will

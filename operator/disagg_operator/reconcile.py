@@ -1,9 +1,9 @@
-"""Convergence for one DisaggregatedModel: desired objects vs live ones, then status.
+"""Convergence for one DisaggregatedModel: desired objects vs live ones, and its status.
 
-Level-based and idempotent: ``converge`` applies only what is missing or differs, prunes only
-what the model controls and no longer wants, and computes the status from what it saw (spec
-changes, operator start). ``restore_child`` repairs the one child an event is about and refreshes
-the status (child events). The Kubernetes API is reached only through ``api`` (``apply.KubeApi``).
+Level-based and idempotent: ``converge`` applies only what is missing or differs and prunes only
+what the model controls and no longer wants (spec changes, operator start); ``restore_child``
+repairs the one child an event is about; ``model_status`` is the status the live children call
+for. The Kubernetes API is reached only through ``api`` (``apply.KubeApi`` in the operator).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ class Api(Protocol):
 
 @dataclass
 class Outcome:
-    status: dict[str, Any]
     applied: list[str] = field(default_factory=list)  # "Kind/name" of objects created or changed
     pruned: list[str] = field(default_factory=list)
-    invalid: str | None = None  # the spec cannot be served (nothing was applied)
+    invalid: str | None = None  # the spec cannot be served (nothing was applied) ...
+    invalid_status: dict[str, Any] | None = None  # ... and the status that says so
 
 
 def _label(obj: Mapping[str, Any]) -> str:
@@ -67,12 +67,6 @@ class _DesiredCache:
 _desired = _DesiredCache().get
 
 
-def _status(plan: Plan, doc: Mapping[str, Any], seen: Mapping[drift.Key, Mapping[str, Any]], now: str) -> dict[str, Any]:
-    deployments = {key[3]: obj for key, obj in seen.items() if key[1] == "Deployment"}
-    return compute_status(plan, deployments, generation=int(doc["metadata"].get("generation") or 0),
-                          previous=doc.get("status") or {}, now=now)
-
-
 def _apply(api: Api, obj: Mapping[str, Any], live: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
     """Apply ``obj``; whether that wrote anything (our view of ``live`` may lag behind the watch)."""
     fresh = api.apply(obj)
@@ -81,29 +75,26 @@ def _apply(api: Api, obj: Mapping[str, Any], live: Mapping[str, Any] | None) -> 
 
 
 def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]], api: Api, *, now: str) -> Outcome:
+    # ``now`` stamps the conditions of an invalid spec; a valid one's status is model_status's job.
     """Make all children of ``doc`` (a DisaggregatedModel as stored) match its spec."""
     meta = doc["metadata"]
     try:
-        plan, desired = _desired(doc)
+        _, desired = _desired(doc)
     except SpecError as exc:
         message = "; ".join(exc.problems)
         generation = int(meta.get("generation") or 0)
-        return Outcome(invalid_status(message, generation=generation, previous=doc.get("status"), now=now),
-                       invalid=message)
+        return Outcome(invalid=message, invalid_status=invalid_status(
+            message, generation=generation, previous=doc.get("status"), now=now))
 
     current = {k: v for k, v in live.items() if drift.owned_by(v, meta["uid"])}
-    seen: dict[drift.Key, Mapping[str, Any]] = dict(current)
-    outcome = Outcome(status={})
+    outcome = Outcome()
     for obj in drift.to_apply(desired, current):
-        key = drift.key_of(obj)
-        seen[key], wrote = _apply(api, obj, current.get(key))
+        _, wrote = _apply(api, obj, current.get(drift.key_of(obj)))
         if wrote:
             outcome.applied.append(_label(obj))
     for obj in drift.to_prune(desired, current, meta["uid"]):
         api.delete(obj)
-        seen.pop(drift.key_of(obj), None)
         outcome.pruned.append(_label(obj))
-    outcome.status = _status(plan, doc, seen, now)
     return outcome
 
 
@@ -113,7 +104,10 @@ def model_status(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, A
         plan, _ = _desired(doc)
     except SpecError:
         return None
-    return _status(plan, doc, {k: v for k, v in live.items() if drift.owned_by(v, doc["metadata"]["uid"])}, now)
+    deployments = {key[3]: obj for key, obj in live.items()
+                   if key[1] == "Deployment" and drift.owned_by(obj, doc["metadata"]["uid"])}
+    return compute_status(plan, deployments, generation=int(doc["metadata"].get("generation") or 0),
+                          previous=doc.get("status") or {}, now=now)
 
 
 def restore_child(doc: Mapping[str, Any], child: Mapping[str, Any], deleted: bool, api: Api) -> list[str]:

@@ -84,7 +84,9 @@ def observe_pool(pool: PoolPlan, deployment: Mapping[str, Any] | None) -> PoolSt
     meta = deployment.get("metadata") or {}
     return PoolState(
         role=pool.role,
-        desired=int(spec.get("replicas", pool.replicas)),  # an HPA may have changed it
+        # The spec's count, so a status for this generation never counts an older one as ready;
+        # with autoscaling the HPA owns the count and the Deployment's own spec says it.
+        desired=pool.replicas if pool.autoscaling is None else int(spec.get("replicas", pool.replicas)),
         replicas=int(status.get("replicas") or 0),
         ready=int(status.get("readyReplicas") or 0),
         updated=int(status.get("updatedReplicas") or 0),

@@ -99,3 +99,28 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("router.timeouts", {"router": {"timeouts": {"prefillSeconds": 0}}}, "spec.router.timeouts"),
     Invalid("router.service-port", {"router": {"service": {"port": 0}}}, "spec.router.service.port"),
 )
+
+
+# Borderline values both sides must judge alike (accepted: True).
+EDGES: tuple[tuple[str, dict[str, Any], bool], ...] = (
+    *((f"source {v}", model(source=v), ok) for v, ok in [
+        ("hf://Qwen/Qwen3-8B", True), ("hf://gpt2", True), ("pvc://models/qwen3/8b", True), ("pvc://models", True),
+        ("/srv/models/qwen3", True), ("~/.cache/disagg/models/tiny-qwen3", True), ("Qwen/Qwen3-8B", False),
+        ("hf://", False), ("hf://a/b/c", False), ("pvc://Models", False), ("relative/path", False),
+        ("/has space", False), ("~user/x", False)]),
+    *((f"vllm {v}", {"engine": {"vllmVersion": v}}, ok) for v, ok in [
+        ("0.32.0", True), ("0.33.0", True), ("0.33.0rc1", True), ("0.32.0+cpu", True), ("1.0.0", True),
+        ("0.31.9", False), ("0.4.0", False), ("latest", False), ("0.33", False)]),
+    *((f"decode args {' '.join(a)}", pools(decode={"extraArgs": a}), ok) for a, ok in [
+        (["--max-num-seqs", "64"], True), (["--gpu-memory-utilization=0.85"], True),
+        (["--tokenizer-mode", "slow"], False),  # must match across tiers: model.engineArgs only
+        (["--kv-transfer-config.kv_role", "kv_producer"], False),  # dotted form of an owned flag
+        (["--tensor_parallel_size", "2"], False),  # underscore form
+        (["-tp", "2"], False)]),
+    ("shared flags in model.engineArgs", model(engineArgs=["--trust-remote-code", "--tokenizer-mode", "auto"]), True),
+    ("no prefill, no connector", {"kvTransfer": {"connector": "None"}, "pools": {"prefill": {"replicas": 0}}}, True),
+    ("derender pool with render", pools(derender={"replicas": 2}), True),
+    ("autoscaling with metrics", pools(render={"autoscaling": {"maxReplicas": 3, "metrics": [
+        {"type": "Resource", "resource": {"name": "memory", "target": {"type": "Utilization", "averageUtilization": 70}}}]}}),
+     True),
+)

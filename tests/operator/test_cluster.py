@@ -19,7 +19,7 @@ from disagg_operator.objects import build_objects, names
 from disagg_operator.plan import Plan, Role, build_plan
 from disagg_operator.spec import parse_manifest
 from tests.harness.cluster import Cluster
-from tests.operator.cases import INVALID, Invalid, base, merged
+from tests.operator.cases import EDGES, INVALID, Invalid, base, merged
 from tests.operator.conftest import OperatorProcess
 from tests.operator.builders import PARSER_FLAGS, TOKENIZER_FLAGS, flags
 
@@ -180,6 +180,15 @@ def test_the_api_server_rejects_each_invalid_object_with_the_rule_message(cluste
     if case.rule != "name":
         assert f"{k8s_path(case.where)}: Invalid value" in result.stderr, result.stderr
     assert cluster.kubectl("get", "dm", "-n", ns, "-o", "name").stdout == ""
+
+
+@pytest.mark.parametrize(("name", "patch", "valid"), EDGES, ids=[e[0] for e in EDGES])
+def test_the_api_server_judges_borderline_values_like_pydantic(cluster: Cluster, crd_installed: Path, ns: str,
+                                                               name: str, patch: dict, valid: bool) -> None:
+    doc = base()
+    doc["spec"] = merged(doc["spec"], patch)
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-", input=json.dumps(doc), check=False)
+    assert (result.returncode == 0) is valid, result.stderr
 
 
 def test_the_api_server_accepts_and_defaults_a_minimal_object(cluster: Cluster, crd_installed: Path, ns: str) -> None:

@@ -29,7 +29,7 @@ def live_deployments(p: Plan, **overrides: dict[str, Any]) -> dict[str, dict[str
             continue
         role = obj["metadata"]["labels"][names.POOL]
         live = copy.deepcopy(obj)
-        n = live["spec"]["replicas"]
+        n = live["spec"].get("replicas", 1)  # an autoscaled pool leaves the count to its HPA
         live["metadata"]["generation"] = 2
         live["status"] = {"observedGeneration": 2, "replicas": n, "readyReplicas": n, "updatedReplicas": n,
                           "availableReplicas": n}
@@ -81,7 +81,7 @@ def test_all_pools_ready() -> None:
     ({"decode": {"metadata": {"generation": 3}}},
      {"DecodeReady": ("False", "Pending"), "ConfigConsistent": ("False", "RollingOut"), "Progressing": ("True", "RollingOut")}),
     ({"prefill": {"spec": {"replicas": 4}, "status": {"replicas": 4, "updatedReplicas": 4, "readyReplicas": 2}}},
-     {"PrefillReady": ("False", "NotReady"), "Progressing": ("True", "Scaling")}),
+     {"PrefillReady": ("True", "Ready"), "Progressing": ("True", "Scaling")}),  # scaled by hand: restored soon
     ({"decode": {"status": {"conditions": [{"type": "Progressing", "status": "False",
                                             "reason": "ProgressDeadlineExceeded", "message": "timed out"}]}}},
      {"Degraded": ("True", "PoolFailing")}),
@@ -151,3 +151,22 @@ def test_status_patch_is_empty_when_nothing_changed_and_clears_removed_pools() -
     patch = status_patch(stored, new)
     assert patch["pools"]["prefill"] is None and "kopf" not in patch
     assert patch["disaggregation"] == "decode-only"
+
+
+def test_a_deployment_that_has_not_taken_the_new_replica_count_is_not_ready() -> None:
+    p = plan_of(merged(example_doc()["spec"], {"pools": {"prefill": {"replicas": 3}}}))
+    status = compute_status(p, live_deployments(p, prefill={"spec": {"replicas": 2},
+                                                            "status": {"replicas": 2, "readyReplicas": 2,
+                                                                       "updatedReplicas": 2}}),
+                            generation=3, previous=None, now=T0)
+    assert conditions(status)["PrefillReady"] == ("False", "RollingOut")
+    assert status["pools"]["prefill"]["replicas"] == 3
+
+
+def test_an_autoscaled_pool_counts_what_the_hpa_asked_for() -> None:
+    p = plan_of(merged(example_doc()["spec"], {"pools": {"render": {"autoscaling": {"maxReplicas": 8}}}}))
+    status = compute_status(p, live_deployments(p, render={"spec": {"replicas": 5}, "status": {
+        "replicas": 5, "readyReplicas": 5, "updatedReplicas": 5, "availableReplicas": 5}}),
+        generation=1, previous=None, now=T0)
+    assert conditions(status)["RenderReady"] == ("True", "Ready")
+    assert status["pools"]["render"]["replicas"] == 5

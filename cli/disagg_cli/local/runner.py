@@ -105,7 +105,7 @@ def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"
        progress=lambda line: print(line, flush=True)) -> tuple[Deployment, list[ManagedServer]]:
     manifest = load_spec(path)
     state_dir = (state_root / manifest.name).resolve()
-    if (state_dir / STATE_FILE).exists() and any(_pid_alive(p["pid"]) for p in Deployment.load(state_dir).processes):
+    if (state_dir / STATE_FILE).exists() and any(pid_alive(p["pid"]) for p in Deployment.load(state_dir).processes):
         raise SpecError([f"{manifest.name} is already up (state in {state_dir}); run `disagg down` first"])
     shutil.rmtree(state_dir, ignore_errors=True)
     (state_dir / "kv").mkdir(parents=True)
@@ -130,14 +130,19 @@ def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"
     return deployment, servers
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its (re)parent to reap it: that one has already exited."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def down(state_dir: Path, grace: float = 15.0) -> list[str]:
@@ -147,12 +152,12 @@ def down(state_dir: Path, grace: float = 15.0) -> list[str]:
     for pid in pids:
         _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while any(_pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in pids:
         _signal_group(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while any(_pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     shutil.rmtree(state_dir, ignore_errors=True)
     return [p["name"] for p in deployment.processes]
@@ -173,7 +178,7 @@ def status(state_dir: Path) -> dict[str, Any]:
     deployment = Deployment.load(state_dir)
     pools: dict[str, list[dict[str, Any]]] = {}
     for p in deployment.processes:
-        alive = _pid_alive(p["pid"])
+        alive = pid_alive(p["pid"])
         pools.setdefault(p["pool"], []).append(
             {"name": p["name"], "url": p["url"], "pid": p["pid"], "healthy": alive and _healthy(p["url"])})
     return {"endpoint": deployment.endpoint, "pools": pools}
