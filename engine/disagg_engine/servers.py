@@ -89,6 +89,30 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+def signal_group(pid: int, sig: int) -> None:
+    """Signal a process group we may not be the parent of, reaping its leader if it is ours."""
+    _signal_group(pid, sig)
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its (re)parent to reap it: that one has already exited."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -14,8 +14,7 @@ import requests
 import yaml
 from openai import OpenAI
 
-from disagg_cli.local.runner import pid_alive
-from disagg_engine.servers import port_in_use
+from disagg_engine.servers import pid_alive, port_in_use
 from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
 
 pytestmark = pytest.mark.e2e

@@ -8,7 +8,6 @@ State lives in ``<state dir>/state.json`` (default ``.disagg/<name>/``): what ``
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import time
@@ -21,7 +20,9 @@ from typing import Any
 import yaml
 
 from disagg_cli.local.plan import LOOPBACK, LocalProcess, engine_processes, sidecar_processes
-from disagg_engine.servers import ManagedServer, ServerSpec, ServerStartError, free_port, start, stop_all
+from disagg_engine.servers import (
+    ManagedServer, ServerSpec, ServerStartError, free_port, pid_alive, signal_group, start, stop_all,
+)
 from disagg_operator.plan import build_plan
 from disagg_operator.spec import SpecError, parse_manifest
 
@@ -130,48 +131,22 @@ def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"
     return deployment, servers
 
 
-def pid_alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its (re)parent to reap it: that one has already exited."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def down(state_dir: Path, grace: float = 15.0) -> list[str]:
     """Stop every recorded process group (TERM, then KILL after ``grace``); remove the state."""
     deployment = Deployment.load(state_dir)
     pids = [p["pid"] for p in deployment.processes]
     for pid in pids:
-        _signal_group(pid, signal.SIGTERM)
+        signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in pids:
-        _signal_group(pid, signal.SIGKILL)
+        signal_group(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     shutil.rmtree(state_dir, ignore_errors=True)
     return [p["name"] for p in deployment.processes]
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:  # a reaped group leader's children keep the group id; a zombie needs reaping by us
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def status(state_dir: Path) -> dict[str, Any]:
