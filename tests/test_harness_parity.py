@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 
 import pytest
 import requests
@@ -58,27 +59,53 @@ def test_streamed_disaggregated_path_equals_coupled(engine_set, forcer, name):
     assert want["done"] and want["choices"][0]["finish_reason"]
 
 
-def test_decode_reports_an_external_kv_hit_for_the_prefilled_prompt(engine_set, forcer):
-    log = engine_set.servers["decode"].log_path
-    before = log.read_text(errors="replace").count("External Cache Hit")
-    body = forcer.chat_body("plain")
-    # The nonce leads: the connector matches block-aligned prompt prefixes.
-    body["messages"][0]["content"] = f"{time.time_ns()} is a prompt nobody sent before"
-    ManualPipeline(engine_set).chat(body)
+def _decode_counters(engine_set) -> dict[str, float]:
+    """The decode engine's own Prometheus counters (log lines of earlier requests can land late;
+    the counters are recorded before a request's last output reaches its client)."""
+    text = requests.get(engine_set.url("decode") + "/metrics", timeout=10).text
+    wanted = {"vllm:external_prefix_cache_hits_total": "hits", "vllm:request_success_total": "done"}
+    totals = dict.fromkeys(wanted.values(), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            totals[wanted[name]] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _decode_delta(engine_set, send) -> dict[str, float]:
+    """The change in decode's counters that ``send()`` (one decode request) caused."""
+    before = _decode_counters(engine_set)
+    send()
     deadline = time.monotonic() + 10
-    while log.read_text(errors="replace").count("External Cache Hit") <= before:
-        assert time.monotonic() < deadline, "decode never reported an external KV cache hit"
+    while (after := _decode_counters(engine_set))["done"] < before["done"] + 1:
+        assert time.monotonic() < deadline, "decode never counted the request as finished"
         time.sleep(0.1)
+    return {k: after[k] - before[k] for k in after}
+
+
+def _nonce_body(forcer, text: str) -> dict:
+    body = forcer.chat_body("plain")
+    # The nonce leads (no local prefix-cache hit); the prompt spans several KV blocks because the
+    # connector only loads whole blocks (a one-block prompt "hits" with 0 tokens).
+    body["messages"][0]["content"] = f"{time.time_ns()} {text}" + " and then some more words" * 100
+    return body
+
+
+def test_decode_reports_an_external_kv_hit_for_the_prefilled_prompt(engine_set, forcer):
+    pipe = ManualPipeline(engine_set)
+    gen = pipe.render_chat(_nonce_body(forcer, "is a prompt nobody sent before"))
+    request_id = uuid.uuid4().hex
+    prefilled = pipe.prefill(gen, request_id)
+    delta = _decode_delta(engine_set, lambda: pipe.decode(gen, prefilled, request_id))
+    assert delta["hits"] > 0
 
 
 def test_decode_without_prefill_reports_no_external_hit(engine_set, forcer):
     # The counter-check: a prompt that never went through prefill has nothing to load.
-    log = engine_set.servers["decode"].log_path
-    body = forcer.chat_body("plain")
-    body["messages"][0]["content"] = f"{time.time_ns()} is a decode-only prompt"
-    pipe = ManualPipeline(engine_set)
-    gen = pipe.render_chat(body)
-    before = log.read_text(errors="replace").count("External Cache Hit")
-    resp = requests.post(engine_set.url("decode") + "/inference/v1/generate", json=gen, timeout=60)
-    assert resp.status_code == 200
-    assert log.read_text(errors="replace").count("External Cache Hit") == before
+    gen = ManualPipeline(engine_set).render_chat(_nonce_body(forcer, "is a decode-only prompt"))
+
+    def send():
+        resp = requests.post(engine_set.url("decode") + "/inference/v1/generate", json=gen, timeout=60)
+        assert resp.status_code == 200, resp.text
+
+    assert _decode_delta(engine_set, send)["hits"] == 0

@@ -120,7 +120,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Someone listens on it. SO_REUSEADDR as servers set it: TIME_WAIT leftovers of closed
+    connections do not stop a new server from binding, so they do not count."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -75,21 +75,32 @@ def operator_main(argv: Sequence[str]) -> int:
         "unless --namespace is given.",
     )
     parser.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
-                        help="watch only this namespace (repeatable; glob patterns as in kopf)")
+                        help="watch only this namespace (repeatable)")
     parser.add_argument("--liveness", metavar="URL", default=None,
                         help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--peering", metavar="NAME", default=None,
                         help="coordinate several operator replicas through a KopfPeering object "
                         "(default: standalone, one replica)")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDR")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(list(argv))
 
     import kopf
 
     from disagg_operator import handlers  # noqa: F401  (registers the handlers)
+    from disagg_operator.metrics import serve
 
     kopf.configure(verbose=args.verbose)
+    if args.metrics_port:
+        serve(args.metrics_port, args.metrics_address)
+    settings = kopf.OperatorSettings()
+    # Namespaced: watch exactly those namespaces. Scanning would list namespaces and CRDs
+    # cluster-wide, which a namespace-scoped ServiceAccount may not (and retries slow the start).
+    settings.scanning.disabled = bool(args.namespace)
     kopf.run(
+        settings=settings,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         standalone=args.peering is None,

@@ -16,12 +16,13 @@ from __future__ import annotations
 import copy
 import datetime
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
 
-from disagg_operator import drift
+from disagg_operator import drift, metrics
 from disagg_operator.apply import ApplyError, KubeApi
 from disagg_operator.objects import MANAGED_KINDS, names
 from disagg_operator.reconcile import Outcome, converge, model_status, restore_child
@@ -92,13 +93,23 @@ def _report(doc: Mapping[str, Any], outcome: Outcome, reason: str) -> None:
 
 def _converge(doc: Mapping[str, Any], children: kopf.Index, memo: kopf.Memo) -> Outcome:
     meta = doc["metadata"]
+    started = time.monotonic()
     try:
         outcome = converge(doc, _live(children, meta["namespace"], meta["name"]), memo.api, now=_now())
     except ApplyError as exc:
+        metrics.RECONCILES.labels("failed").inc()
         kopf.warn(_reference(doc), reason="ApplyFailed", message=str(exc))
         if exc.permanent:
             raise kopf.PermanentError(str(exc)) from exc
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from exc
+    finally:
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+    metrics.RECONCILES.labels("invalid" if outcome.invalid else "applied" if outcome.applied or outcome.pruned
+                              else "unchanged").inc()
+    for label in outcome.applied:
+        metrics.OBJECTS_APPLIED.labels(metrics.kind_of(label)).inc()
+    for label in outcome.pruned:
+        metrics.OBJECTS_PRUNED.labels(metrics.kind_of(label)).inc()
     _report(doc, outcome, reason="Applied")
     return outcome
 
@@ -145,6 +156,8 @@ def child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, bod
     except ApplyError as exc:
         kopf.warn(_reference(doc), reason="RestoreFailed", message=str(exc))
         return  # the next event for this child, or the model's own handler, tries again
+    for label in restored:
+        metrics.RESTORES.labels(metrics.kind_of(label)).inc()
     if restored:
         kopf.info(_reference(doc), reason="Restored", message=", ".join(restored))
     # Only Deployments carry what the status reports; other children matter only when restored.
@@ -169,6 +182,7 @@ def _refresh_status(namespace: str, name: str, memo: kopf.Memo, models: kopf.Ind
     changes = status_patch(doc.get("status"), status)
     if changes:
         memo.api.patch_status(namespace, name, changes)
+        metrics.STATUS_WRITES.inc()
         memo.statuses[key] = status
 
 

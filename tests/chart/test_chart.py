@@ -204,7 +204,7 @@ def test_non_default_values_render_as_configured(cluster: Cluster) -> None:
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["image"] == "registry.example.com/platform/disagg:0.1.0-rc1"
-    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:9090/healthz",
+    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:9090/healthz", "--metrics-port=9091",
                                  "--namespace=team-a", "--namespace=team-b", "--verbose"]
     assert pod["serviceAccountName"] == "disagg-ops-operator"
     binding = next(d for d in docs if d["kind"] == "RoleBinding")
@@ -217,7 +217,7 @@ def test_non_default_values_render_as_configured(cluster: Cluster) -> None:
     dep = next(d for d in default if d["kind"] == "Deployment")
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "operator", "--liveness=http://0.0.0.0:8080/healthz"]
+        "operator", "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=9090"]
     assert {d["kind"] for d in default} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service",
                                            "Deployment"}
     sc = dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]
@@ -299,6 +299,7 @@ def test_install_upgrade_uninstall_cluster_wide(cluster: Cluster, namespaces: Ca
     assert not any(o.startswith(("Role/", "RoleBinding/")) for o in created), created
     endpoints = get_json(cluster, "-n", ns, "endpointslices", "-l", f"kubernetes.io/service-name={name}-metrics")
     assert endpoints["items"], "the metrics Service selects no pod"
+    assert endpoints["items"][0]["ports"] == [{"name": "metrics", "port": 9090, "protocol": "TCP"}]
 
     # upgrade with changed values: a new pod template → a new ReplicaSet; the old one is scaled to 0
     def replica_sets() -> dict[str, dict[str, Any]]:
@@ -436,18 +437,18 @@ def test_operator_with_chart_identity_reconciles_example_to_ready(
     whoami = json.loads(cluster.run("kubectl", [f"--kubeconfig={kubeconfig}", "auth", "whoami", "-o", "json"]).stdout)
     assert whoami["status"]["userInfo"]["username"] == sa_user(ns, "disagg-ops-operator")
 
-    # The same arguments as the chart's Deployment (but a local liveness port).
+    # The same arguments as the chart's Deployment (but local liveness and metrics ports).
     args = render(cluster, release, ns, "-f", str(namespaced_values(tmp_path, [watched])))
     container = next(d for d in args if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    op_args = [a for a in container["args"][1:] if not a.startswith("--liveness")]
+    op_args = [a for a in container["args"][1:] if not a.startswith(("--liveness", "--metrics-port"))]
     assert op_args == [f"--namespace={watched}", "--verbose"]
     operator = LocalOperator(kubeconfig, op_args, tmp_path / "operator.log")
     try:
         cluster.wait_for(operator.healthy, "the operator's liveness endpoint", timeout=60)
-        # kopf first retries the refused cluster-wide namespace listing (~1 min), then serves `watched`.
+        # Namespaced: no cluster-wide scanning (the Role could not list namespaces), straight to `watched`.
         serving = f"Starting the watch-stream for disaggregatedmodels.v1alpha1.disagg.dev in '{watched}'"
         cluster.wait_for(lambda: operator.healthy() and serving in operator.log.read_text(errors="replace"),
-                         "the operator watching its namespace", timeout=150, interval=1)
+                         "the operator watching its namespace", timeout=60, interval=1)
         cluster.kubectl("apply", "-n", watched, "-f", str(EXAMPLE))
 
         def ready() -> dict[str, Any] | None:

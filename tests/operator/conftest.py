@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from disagg_engine.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml"
@@ -32,6 +33,7 @@ class OperatorProcess:
     args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     port: int = 0
+    metrics_port: int = 0
     starts: int = 0
 
     @property
@@ -46,14 +48,12 @@ class OperatorProcess:
 
     def start(self) -> None:
         self.starts += 1
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port, self.metrics_port = free_port(), free_port()
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "disagg_operator", "--liveness", f"http://127.0.0.1:{self.port}/healthz",
-                 *self.args],
+                 "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1", *self.args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
 
@@ -65,6 +65,12 @@ class OperatorProcess:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name with labels (``'x_total{kind="Service"}'``) -> value, from /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+        return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if line[:1] not in ("#", ""))}
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -203,6 +203,7 @@ def test_the_api_server_accepts_and_defaults_a_minimal_object(cluster: Cluster, 
 
 def test_deleted_and_edited_children_are_restored_and_gc_removes_all(cluster: Cluster, operator: OperatorProcess,
                                                                     ns: str) -> None:
+    before = operator.metrics()
     cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
     wait_ready(cluster, operator, ns, "qwen3-8b")
     old = deployments(cluster, ns, "qwen3-8b")["decode"]["metadata"]["uid"]
@@ -220,6 +221,14 @@ def test_deleted_and_edited_children_are_restored_and_gc_removes_all(cluster: Cl
         [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--enforce-eager"}]))
     cluster.wait_for(lambda: container_args(deployments(cluster, ns, "qwen3-8b")["render"]) == want_args,
                      "the render args restored", timeout=90)
+
+    # What happened is visible on the operator's /metrics (counters are per process: compare deltas).
+    after = operator.metrics()
+    grew = {k for k in after if after[k] > before.get(k, 0.0)}
+    assert {'disagg_operator_reconciles_total{outcome="applied"}', "disagg_operator_status_writes_total",
+            'disagg_operator_objects_applied_total{kind="Deployment"}',
+            'disagg_operator_drift_restores_total{kind="Deployment"}',
+            'disagg_operator_drift_restores_total{kind="Service"}'} <= grew, sorted(grew)
 
     cluster.kubectl("delete", "dm", "qwen3-8b", "-n", ns, "--wait=false")
     cluster.wait_for(lambda: not children(cluster, ns, "qwen3-8b"), "garbage collection of every child", timeout=180)
