@@ -18,7 +18,8 @@ few additions (endpoint lists, DNS discovery, limits, capabilities). Example::
       mode: remote                       # local: decode prefills itself (no prefill pool)
       discovery: {kind: static, urls: [http://10.0.0.5:8200]}
                # {kind: dns, host: qwen-prefill.ns.svc.cluster.local, port: 8200}
-               # {kind: endpointslices, namespace: ns, service: qwen-prefill, port: 8200}
+               # {kind: endpointslices, namespace: ns, service: qwen-prefill, port_name: engine}
+               #   (in-cluster token by default; `api: {url, token_file, ca_file}` for local use)
       selection: least-requests          # round-robin | random | least-requests
       trust_prefiller_header: true       # honour x-prefiller-host-port, only for current prefill endpoints
       failure_policy: fallback           # fallback: decode prefills locally; fail: 503
@@ -145,15 +146,41 @@ class DNSDiscovery(_Model):
     refresh_seconds: float = Field(5.0, gt=0)
 
 
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class KubernetesAPI(_Model):
+    """How the sidecar reaches the API server; the defaults are the pod's own (in-cluster) identity."""
+
+    url: str | None = Field(None, description="https://host:port; None: KUBERNETES_SERVICE_HOST/_PORT.")
+    token_file: str = Field(f"{SERVICE_ACCOUNT_DIR}/token",
+                            description="Bearer token, re-read for every request (projected tokens rotate).")
+    ca_file: str | None = Field(f"{SERVICE_ACCOUNT_DIR}/ca.crt",
+                                description="CA bundle of the API server; None: the system trust store.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return None if v is None else _check_url(v)
+
+
 class EndpointSliceDiscovery(_Model):
-    """What the operator writes. Resolved through the Service's DNS name for now (see discovery.py)."""
+    """What the operator writes: list + watch the EndpointSlices of a (headless) Service.
+
+    Endpoints are the ready endpoints' addresses with the slice port named ``port_name`` (or the
+    slice's only port; with several unnamed-matching ports, the one numbered ``port``).
+    """
 
     kind: Literal["endpointslices"] = "endpointslices"
     namespace: str
     service: str
-    port: int = Field(ge=1, le=65535)
+    port: int | None = Field(None, ge=1, le=65535, description="Disambiguates when `port_name` is unset.")
     port_name: str | None = None
-    refresh_seconds: float = Field(5.0, gt=0)
+    scheme: Literal["http", "https"] = "http"
+    api: KubernetesAPI = Field(default_factory=KubernetesAPI)
+    watch_seconds: int = Field(300, ge=1, description="Server-side timeout of one watch request; then re-watch.")
+    backoff_seconds: float = Field(0.5, gt=0, description="First retry delay after an error; doubles.")
+    max_backoff_seconds: float = Field(30.0, gt=0)
 
 
 Discovery = StaticDiscovery | DNSDiscovery | EndpointSliceDiscovery

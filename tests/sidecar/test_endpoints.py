@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from disagg_sidecar.config import DNSDiscovery, EndpointSliceDiscovery, StaticDiscovery
-from disagg_sidecar.discovery import DNSSource, StaticSource, make_source
+from disagg_sidecar.config import DNSDiscovery, EndpointSliceDiscovery, KubernetesAPI, StaticDiscovery
+from disagg_sidecar.discovery import DNSSource, EndpointSliceSource, StaticSource, make_source
 from disagg_sidecar.endpoints import FAILURE_COOLDOWN_SECONDS, EndpointPool
 
 URLS = ("http://a:1", "http://b:1", "http://c:1")
@@ -43,8 +43,9 @@ def test_sources() -> None:
     assert make_source(StaticDiscovery(urls=("http://p:1",))).endpoints() == ("http://p:1",)
     dns = make_source(DNSDiscovery(host="prefill.ns.svc", port=8200))
     assert isinstance(dns, DNSSource) and dns.host == "prefill.ns.svc"
-    slices = make_source(EndpointSliceDiscovery(namespace="ns", service="m-prefill", port=8200))
-    assert isinstance(slices, DNSSource) and slices.host == "m-prefill.ns.svc" and slices.port == 8200
+    slices = make_source(EndpointSliceDiscovery(namespace="ns", service="m-prefill", port_name="engine",
+                                                api=KubernetesAPI(url="https://127.0.0.1:6443")))
+    assert isinstance(slices, EndpointSliceSource) and slices.endpoints() == ()
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])

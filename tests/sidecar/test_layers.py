@@ -11,7 +11,7 @@ import disagg_sidecar
 
 PACKAGE = Path(disagg_sidecar.__file__).parent
 PURE = ["allowlist", "connectors", "derender_fixes", "errors", "legs", "plan", "responses", "streaming", "usage",
-        "wire", "config"]
+        "wire", "config", "endpointslices"]
 TRANSPORT = {"aiohttp", "disagg_sidecar.app", "disagg_sidecar.handlers", "disagg_sidecar.flows",
              "disagg_sidecar.exchange", "disagg_sidecar.upstream", "disagg_sidecar.keys", "disagg_sidecar.state"}
 
