@@ -37,6 +37,7 @@ test-unit: setup
 demo: setup
 	$(BIN)/python -m disagg_cli.demo
 
+# crds/kopf.dev_*.yaml (kopf's peering CRDs, for replicas > 1) are kept by hand; all are copied.
 crds: setup
 	$(BIN)/disagg crd > crds/disagg.dev_disaggregatedmodels.yaml
 	cp crds/*.yaml charts/disagg/crds/

@@ -7,6 +7,7 @@ work anywhere pydantic and PyYAML are installed (GitOps pipelines, CI).
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -69,6 +70,20 @@ def manifests_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def peering_priority(peering: str | None, priority: int | None) -> int | None:
+    """The kopf peering priority: ``priority`` if given, else random when peering (None: standalone).
+
+    kopf peering is leader election only with distinct priorities: a replica pauses while a live peer
+    has a higher priority, and *every* replica pauses while the highest priority is shared. A random
+    31-bit priority per process makes a tie practically impossible, so exactly one replica works; a
+    replica that stops gracefully removes itself from the peering object at once (the next-highest
+    resumes), a killed one expires after the peering lifetime (60 s).
+    """
+    if peering is None or priority is not None:
+        return priority
+    return secrets.randbelow(2**31)
+
+
 def operator_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="disagg operator", description="Run the DisaggregatedModel operator (kopf). Watches all namespaces "
@@ -79,13 +94,20 @@ def operator_main(argv: Sequence[str]) -> int:
     parser.add_argument("--liveness", metavar="URL", default=None,
                         help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--peering", metavar="NAME", default=None,
-                        help="coordinate several operator replicas through a KopfPeering object "
+                        help="run as one of several replicas coordinated through the kopf peering object "
+                        "NAME (a ClusterKopfPeering cluster-wide, a KopfPeering in each --namespace; it must "
+                        "exist): only the live replica with the highest priority works, the others stand by "
                         "(default: standalone, one replica)")
+    parser.add_argument("--priority", type=int, default=None, metavar="N",
+                        help="this replica's peering priority (needs --peering; default: random, so that "
+                        "replicas never tie: kopf pauses every replica when the top priority is shared)")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                         help="serve Prometheus metrics on this port (default: off)")
     parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDR")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(list(argv))
+    if args.priority is not None and args.peering is None:
+        parser.error("--priority needs --peering")
 
     import kopf
 
@@ -105,6 +127,7 @@ def operator_main(argv: Sequence[str]) -> int:
         namespaces=args.namespace,
         standalone=args.peering is None,
         peering_name=args.peering,
+        priority=peering_priority(args.peering, args.priority),
         liveness_endpoint=args.liveness,
     )
     return 0

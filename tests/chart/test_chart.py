@@ -1,6 +1,7 @@
 """charts/disagg against the real control plane: lint, server-side validation, install / upgrade /
-uninstall, the values schema, least-privilege RBAC (a `kubectl auth can-i` matrix) and the operator
-itself running with the chart's ServiceAccount token until examples/qwen3-8b.yaml is Ready.
+uninstall, the values schema, least-privilege RBAC (a `kubectl auth can-i` matrix), the operator
+itself running with the chart's ServiceAccount token until examples/qwen3-8b.yaml is Ready, and
+leader election for replicas > 1 (two such operators: one reconciles, the other takes over on SIGTERM).
 
 kwok marks the operator pod Running/Ready (no container runs), so the operator process is run
 locally with the chart's identity. Every wait polls an observable condition with a bound.
@@ -117,6 +118,17 @@ def labelled(cluster: Cluster, release: str) -> list[str]:
     return sorted(f"{o['kind']}/{o['metadata'].get('namespace', '')}/{o['metadata']['name']}" for o in items)
 
 
+PEERING_CRDS = sorted((REPO / "crds").glob("kopf.dev_*.yaml"))
+
+
+def ensure_peering_crds(cluster: Cluster) -> None:
+    """kopf's peering CRDs, established (shared by every test; helm install skips existing CRDs)."""
+    assert [p.name for p in PEERING_CRDS] == ["kopf.dev_clusterkopfpeerings.yaml", "kopf.dev_kopfpeerings.yaml"]
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", *(a for p in PEERING_CRDS for a in ("-f", str(p))))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/clusterkopfpeerings.kopf.dev", "crd/kopfpeerings.kopf.dev")
+
+
 def namespaced_values(tmp_path: Path, watch: list[str], service_monitor: bool = False) -> Path:
     values = yaml.safe_load(VALUES.read_text())
     values["watchNamespaces"] = watch
@@ -187,9 +199,10 @@ def test_chart_crds_are_the_top_level_crds() -> None:
     assert not stale, f"charts/disagg/crds/ differs from crds/ for {stale}: cp crds/*.yaml charts/disagg/crds/"
 
 
-@pytest.mark.parametrize("values", ["default", "namespaced"])
+@pytest.mark.parametrize("values", ["default", "namespaced", "leader-election"])
 def test_helm_lint_passes(cluster: Cluster, values: str) -> None:
-    args = ["-f", str(VALUES)] if values == "namespaced" else []
+    args = {"default": [], "namespaced": ["-f", str(VALUES)],
+            "leader-election": ["-f", str(VALUES), "--set", "replicas=3"]}[values]
     out = cluster.helm("lint", "--strict", str(CHART), *args)
     assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout, out.stdout
 
@@ -226,8 +239,68 @@ def test_non_default_values_render_as_configured(cluster: Cluster) -> None:
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
+def peering_rules(resource: str, name: str) -> list[dict[str, Any]]:
+    return [{"apiGroups": ["kopf.dev"], "resources": [resource], "verbs": ["list", "watch"]},
+            {"apiGroups": ["kopf.dev"], "resources": [resource], "resourceNames": [name], "verbs": ["get", "patch"]}]
+
+
+def test_replicas_above_one_render_leader_election(cluster: Cluster) -> None:
+    """replicas > 1: --peering, a RollingUpdate, the peering object(s) and RBAC on them; 1: none of it."""
+    def docs_by_kind(*args: str) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for d in render(cluster, "ops", "platform", *args):
+            out.setdefault(d["kind"], []).append(d)
+        return out
+
+    def peering_mentions(docs: dict[str, list[dict[str, Any]]]) -> list[str]:
+        return [f"{kind}/{d['metadata']['name']}" for kind, items in docs.items() for d in items
+                if "peering" in json.dumps(d).lower() or "POD_ID" in json.dumps(d)]
+
+    # cluster-wide: one ClusterKopfPeering, the ClusterRole may use it
+    docs = docs_by_kind("--set", "replicas=2")
+    (dep,) = docs["Deployment"]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["operator", "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=9090",
+                                 "--peering=ops-disagg"]
+    assert "--priority" not in " ".join(container["args"]), "each replica must draw its own random priority"
+    assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    (peering,) = docs["ClusterKopfPeering"]
+    assert peering["apiVersion"] == "kopf.dev/v1" and peering["metadata"]["name"] == "ops-disagg"
+    assert peering["metadata"]["labels"][INSTANCE] == "ops"
+    (role,) = docs["ClusterRole"]
+    assert role["rules"][-2:] == peering_rules("clusterkopfpeerings", "ops-disagg")
+    assert [r for r in role["rules"] if "kopf.dev" in r["apiGroups"]] == role["rules"][-2:]
+    assert "KopfPeering" not in docs and "Role" not in docs
+
+    # namespace-scoped: a KopfPeering and the rules for it in every watched namespace, nothing cluster-wide
+    docs = docs_by_kind("-f", str(VALUES), "--set", "replicas=3")
+    (dep,) = docs["Deployment"]
+    assert dep["spec"]["replicas"] == 3 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "operator", "--liveness=http://0.0.0.0:9090/healthz", "--metrics-port=9091",
+        "--namespace=team-a", "--namespace=team-b", "--peering=disagg-ops", "--verbose"]
+    assert sorted((d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs["KopfPeering"]) == [
+        ("team-a", "disagg-ops"), ("team-b", "disagg-ops")]
+    assert sorted(d["metadata"]["namespace"] for d in docs["Role"]) == ["team-a", "team-b"]
+    for role in docs["Role"]:
+        assert role["rules"][-2:] == peering_rules("kopfpeerings", "disagg-ops")
+    assert not any(kind.startswith("Cluster") for kind in docs), sorted(docs)
+
+    # one replica (and zero): standalone, Recreate, no peering anywhere
+    for replicas in ("1", "0"):
+        for args in ([], ["-f", str(VALUES)]):
+            docs = docs_by_kind(*args, "--set", f"replicas={replicas}")
+            (dep,) = docs["Deployment"]
+            assert dep["spec"]["strategy"] == {"type": "Recreate"}
+            assert not peering_mentions(docs), peering_mentions(docs)
+            assert not {"ClusterKopfPeering", "KopfPeering"} & set(docs)
+
+
 BAD_VALUES = [
-    (["--set", "replicas=2"], ["/replicas", "maximum: got 2, want 1"]),
+    (["--set", "replicas=6"], ["/replicas", "maximum: got 6, want 5"]),
+    (["--set", "replicas=-1"], ["/replicas", "minimum: got -1, want 0"]),
     (["--set", "logLevel=trace"], ["/logLevel", "'info', 'debug'"]),
     (["--set", "watchNamespaces={Team_A}"], ["/watchNamespaces/0", "does not match pattern"]),
     (["--set", "watchNamespaces={a,a}"], ["/watchNamespaces", "items at", "equal"]),
@@ -254,14 +327,14 @@ def test_template_guards_what_the_schema_cannot(cluster: Cluster) -> None:
     proc = cluster.helm("template", "bad", str(CHART), "--set", "metrics.service.enabled=false",
                         "--set", "metrics.serviceMonitor.enabled=true", check=False)
     assert proc.returncode != 0 and "metrics.serviceMonitor.enabled needs metrics.service.enabled" in proc.stderr
-    proc = cluster.helm("template", "bad", str(CHART), "--set", "replicas=3", "--skip-schema-validation", check=False)
-    assert proc.returncode != 0 and "replicas must be 0 or 1" in proc.stderr, proc.stderr
+    proc = cluster.helm("template", "bad", str(CHART), "--set", "replicas=6", "--skip-schema-validation", check=False)
+    assert proc.returncode != 0 and "replicas must be between 0 and 5" in proc.stderr, proc.stderr
 
 
 def test_bad_values_install_nothing(cluster: Cluster, namespaces: Callable[[str], str]) -> None:
     ns = namespaces("bad")
     release = unique("bad")
-    proc = cluster.helm("install", release, str(CHART), "-n", ns, "--set", "replicas=5", check=False)
+    proc = cluster.helm("install", release, str(CHART), "-n", ns, "--set", "replicas=9", check=False)
     assert proc.returncode != 0 and "/replicas" in proc.stderr, proc.stderr
     assert labelled(cluster, release) == []
     assert cluster.helm("list", "-n", ns, "-q").stdout.strip() == ""
@@ -269,13 +342,18 @@ def test_bad_values_install_nothing(cluster: Cluster, namespaces: Callable[[str]
 
 # --- against the cluster -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("values", ["default", "namespaced"])
+@pytest.mark.parametrize("values", ["default", "namespaced", "leader-election", "leader-election-namespaced"])
 def test_template_applies_with_server_dry_run(cluster: Cluster, namespaces: Callable[[str], str],
                                               tmp_path: Path, values: str) -> None:
     ns = namespaces("dry")
     args = ["--include-crds"]
-    if values == "namespaced":
+    if values.endswith("namespaced"):
         args += ["-f", str(namespaced_values(tmp_path, [namespaces("dry-w1"), namespaces("dry-w2")]))]
+    if values.startswith("leader-election"):
+        # A dry run creates no CRD, so the peering objects need kopf's CRDs in place (as helm install
+        # does from crds/ first). Applying them is idempotent; they are never removed.
+        ensure_peering_crds(cluster)
+        args += ["--set", "replicas=2"]
     manifest = cluster.helm("template", unique("dry"), str(CHART), "-n", ns, *args).stdout
     out = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest).stdout
     lines = [line for line in out.splitlines() if line.strip()]
@@ -390,20 +468,23 @@ def sa_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
 class LocalOperator:
     """`python -m disagg_operator` with a given kubeconfig; started and stopped by its own pid."""
 
-    def __init__(self, kubeconfig: Path, args: list[str], log: Path):
+    def __init__(self, kubeconfig: Path, args: list[str], log: Path, env: dict[str, str] | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = log
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        env = {**os.environ, **(env or {}), "KUBECONFIG": str(kubeconfig)}
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "disagg_operator", "--liveness", f"http://127.0.0.1:{self.port}/healthz",
                  *args], env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, cwd=REPO)
 
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
     def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(self.text().splitlines()[-lines:])
 
     def healthy(self) -> bool:
         if self.proc.poll() is not None:
@@ -491,3 +572,128 @@ def test_operator_with_chart_identity_reconciles_example_to_ready(
     refused = [line for line in operator.log.read_text(errors="replace").splitlines()
                if ("Forbidden" in line or " 403" in line) and not any(e in line for e in expected)]
     assert not refused, "\n".join(refused)
+
+
+# --- leader election (replicas > 1) --------------------------------------------------------------
+
+MINIMAL = REPO / "examples" / "minimal.yaml"
+PAUSED = "Pausing operations in favour of"
+RESUMED = "Resuming operations after the pause"
+
+
+def writes(log: str, ns: str) -> set[tuple[str, str]]:
+    """(resource, name) of every successful write the operator's debug log shows in ``ns``."""
+    return set(re.findall(rf'"(?:PATCH|POST|PUT|DELETE) /apis?(?:/[a-z0-9.]+)?/v[0-9a-z]+/namespaces/{ns}/'
+                          r'([a-z]+)/([^ "/?]+)[^ "]* HTTP/1.1" 20[012]', log))
+
+
+def model_doc(name: str) -> str:
+    doc = yaml.safe_load(MINIMAL.read_text())
+    doc["metadata"]["name"] = name
+    return yaml.safe_dump(doc)
+
+
+def test_replicas_elect_one_leader_that_hands_over_on_sigterm(
+        cluster: Cluster, namespaces: Callable[[str], str], tmp_path: Path, releases: list[tuple[str, str]]) -> None:
+    """Two operator processes with the chart's ServiceAccount and the chart's replicas=2 arguments:
+    one reconciles, the other stands by; SIGTERM on the leader hands over to the standby at once."""
+    ns, watched, other = namespaces("le"), namespaces("le-w"), namespaces("le-o")
+    release = unique("le")
+    releases.append((release, ns))
+    values = namespaced_values(tmp_path, [watched])
+    install = cluster.helm("install", release, str(CHART), "-n", ns, "-f", str(values), "--set", "replicas=2",
+                           "--wait", "--timeout", "3m")
+    assert "2 replicas elect a leader through kopf peering (KopfPeering disagg-ops)" in install.stdout  # NOTES
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}",
+                    "crd/kopfpeerings.kopf.dev")
+    peering = "disagg-ops"
+    peering_obj = get_json(cluster, "-n", watched, "kopfpeerings.kopf.dev", peering)
+    assert peering_obj["metadata"]["labels"][INSTANCE] == release and not peering_obj.get("status")
+
+    # RBAC on the peering: only its kind in the watched namespace, get/patch only on its own object.
+    user = sa_user(ns, "disagg-ops-operator")
+    kind = "kopfpeerings.kopf.dev"
+    problems = mismatches(cluster, user, watched, [("list", kind, None), ("watch", kind, None),
+                                                   ("get", f"{kind}/{peering}", None),
+                                                   ("patch", f"{kind}/{peering}", None)], True)
+    problems += mismatches(cluster, user, watched, [("patch", f"{kind}/someone-else", None), ("create", kind, None),
+                                                    ("delete", f"{kind}/{peering}", None),
+                                                    ("update", f"{kind}/{peering}", None)], False)
+    for elsewhere in (other, ns):
+        problems += mismatches(cluster, user, elsewhere, [("list", kind, None),
+                                                          ("patch", f"{kind}/{peering}", None)], False)
+    problems += [f"{v} {r} cluster-scoped: want no" for v, r in [
+        ("list", "clusterkopfpeerings.kopf.dev"), ("patch", f"clusterkopfpeerings.kopf.dev/{peering}")]
+        if can_i(cluster, user, v, r)]
+    assert not problems, "\n".join(problems)
+
+    # The chart's arguments for replicas=2 (local liveness port, no metrics port) ...
+    docs = render(cluster, release, ns, "-f", str(values), "--set", "replicas=2")
+    container = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    op_args = [a for a in container["args"][1:] if not a.startswith(("--liveness", "--metrics-port"))]
+    assert op_args == [f"--namespace={watched}", f"--peering={peering}", "--verbose"]
+    kubeconfig = sa_kubeconfig(cluster, ns, "disagg-ops-operator", tmp_path / "sa.kubeconfig")
+
+    def status() -> dict[str, Any]:
+        return get_json(cluster, "-n", watched, kind, peering).get("status") or {}
+
+    # ... run by "replica-a" (a random priority, as in the chart) which starts alone and works, then by
+    # "replica-b" with a priority above any random one: a pauses in its favour (a replica that joins
+    # below the leader is paused from its start and says nothing; this order makes the pause visible).
+    a = LocalOperator(kubeconfig, op_args, tmp_path / "replica-a.log", env={"POD_ID": "replica-a"})
+    b: LocalOperator | None = None
+    models = ("first", "second")
+    try:
+        cluster.wait_for(lambda: a.healthy() and RESUMED in a.text(), "replica-a working (alone)", timeout=90,
+                         interval=0.5)
+        priority_a = status()["replica-a"]["priority"]
+        assert 0 <= priority_a < 2**31, priority_a
+        b = LocalOperator(kubeconfig, [*op_args, f"--priority={2**31}"], tmp_path / "replica-b.log",
+                          env={"POD_ID": "replica-b"})
+        cluster.wait_for(lambda: b.healthy() and RESUMED in b.text(), "replica-b working", timeout=90, interval=0.5)
+        cluster.wait_for(lambda: PAUSED in a.text(), "replica-a pausing in favour of replica-b", timeout=60,
+                         interval=0.5)
+        paused = next(line for line in a.text().splitlines() if PAUSED in line)
+        assert "replica-b" in paused, paused
+        peers = status()
+        assert peers["replica-b"]["priority"] == 2**31 and peers["replica-a"]["priority"] == priority_a
+
+        def reconciled(op: LocalOperator, model: str) -> bool:
+            dm = get_json(cluster, "-n", watched, "disaggregatedmodel", model)
+            current = dm.get("status", {}).get("observedGeneration") == dm["metadata"]["generation"]
+            return op.healthy() and current and ("deployments", f"{model}-decode") in writes(op.text(), watched)
+
+        # The leader (b) reconciles the first model; the standby (a) writes nothing but its keep-alive.
+        cluster.kubectl("apply", "-n", watched, "-f", "-", input=model_doc(models[0]))
+        cluster.wait_for(lambda: reconciled(b, models[0]), f"replica-b reconciling {models[0]}", timeout=90)
+        assert a.healthy()
+        assert "Handler 'reconcile'" not in a.text(), a.tail()
+        assert writes(a.text(), watched) <= {("kopfpeerings", peering)}, writes(a.text(), watched)
+
+        # SIGTERM: b removes itself from the peering as it exits, a resumes at once (no 60 s expiry).
+        b.stop()
+        assert b.proc.returncode == 0, b.tail()
+        assert "replica-b" not in status()
+        cluster.wait_for(lambda: a.text().count(RESUMED) >= 2, "replica-a resuming", timeout=30, interval=0.5)
+        cluster.kubectl("apply", "-n", watched, "-f", "-", input=model_doc(models[1]))
+        cluster.wait_for(lambda: reconciled(a, models[1]), f"replica-a reconciling {models[1]}", timeout=90)
+        assert models[1] not in "".join(f"{r}/{n}" for r, n in writes(b.text(), watched))
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+        for model in models:
+            cluster.kubectl("delete", "-n", watched, "disaggregatedmodel", model, "--ignore-not-found",
+                            "--wait=false", check=False)
+    assert status() == {}, "both replicas left the peering on SIGTERM"
+    # As in the single-operator test, only kopf's cluster-wide scanning may be refused.
+    expected = ('resource "namespaces" in API group "" at the cluster scope',
+                'resource "customresourcedefinitions" in API group "apiextensions.k8s.io" at the cluster scope')
+    for op in (a, b):
+        refused = [line for line in op.text().splitlines()
+                   if ("Forbidden" in line or " 403" in line) and not any(e in line for e in expected)]
+        assert not refused, "\n".join(refused)
+
+    # helm uninstall removes the peering object with the rest.
+    cluster.helm("uninstall", release, "-n", ns, "--wait", "--timeout", "2m")
+    assert cluster.kubectl("get", "-n", watched, kind, peering, check=False).returncode != 0

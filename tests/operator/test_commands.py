@@ -90,3 +90,45 @@ def test_disagg_operator_help_names_its_namespace_flag(capsys: pytest.CaptureFix
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--namespace NS" in out and "all namespaces" in out
+
+
+@pytest.fixture
+def kopf_runs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """`disagg operator` up to kopf.run: the keyword arguments of every kopf.run call (nothing runs)."""
+    import kopf
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
+    return calls
+
+
+def test_disagg_operator_is_standalone_without_peering(kopf_runs: list[dict[str, object]]) -> None:
+    assert main(["operator", "-n", "team-a"]) == 0
+    (run,) = kopf_runs
+    assert run["standalone"] is True and run["peering_name"] is None and run["priority"] is None
+    assert run["clusterwide"] is False and run["namespaces"] == ["team-a"]
+
+
+def test_peering_replicas_draw_their_own_random_priorities(kopf_runs: list[dict[str, object]]) -> None:
+    # kopf pauses every replica when the top priority is shared: replicas must never tie.
+    for _ in range(20):
+        assert main(["operator", "--peering", "disagg"]) == 0
+    assert all(run["standalone"] is False and run["peering_name"] == "disagg" and run["clusterwide"] is True
+               for run in kopf_runs)
+    priorities = [run["priority"] for run in kopf_runs]
+    assert all(isinstance(p, int) and 0 <= p < 2**31 for p in priorities), priorities
+    assert len(set(priorities)) == len(priorities)
+
+
+def test_peering_priority_can_be_given(kopf_runs: list[dict[str, object]]) -> None:
+    assert main(["operator", "--peering", "disagg", "--priority", "100", "-n", "team-a"]) == 0
+    (run,) = kopf_runs
+    assert run["priority"] == 100 and run["peering_name"] == "disagg" and run["namespaces"] == ["team-a"]
+
+
+def test_priority_without_peering_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["operator", "--priority", "5"])
+    assert exit_.value.code == 2
+    assert "--priority needs --peering" in capsys.readouterr().err

@@ -91,10 +91,41 @@ No Secrets, no pods, no cluster-scoped objects.
   verbs: ["create", "patch"]
 {{- end -}}
 
+{{/*
+"true" when the operator runs as several replicas with leader election (replicas > 1): each passes
+--peering=<fullname> and takes a random kopf peering priority, so only the live replica with the
+highest priority reconciles and the others stand by (kopf pauses an operator while a live peer has a
+higher priority). The peering object is a ClusterKopfPeering when cluster-wide, a KopfPeering in
+each watched namespace when namespace-scoped (kopf's choice, by --namespace); kopf creates neither.
+*/}}
+{{- define "disagg.peering" -}}
+{{- if gt (int .Values.replicas) 1 -}}true{{- end -}}
+{{- end -}}
+
+{{- define "disagg.peeringName" -}}
+{{- include "disagg.fullname" . -}}
+{{- end -}}
+
+{{/*
+The peering permissions (only with replicas > 1), for the resource given as "resource" (kopfpeerings
+in each watched namespace's Role, clusterkopfpeerings in the ClusterRole): kopf lists and watches the
+peering objects and merge-patches its keep-alive into the status of its own one (get/patch are
+limited to that name; list/watch cannot be, kopf lists without a field selector).
+*/}}
+{{- define "disagg.peeringRules" -}}
+- apiGroups: ["kopf.dev"]
+  resources: [{{ .resource | quote }}]
+  verbs: ["list", "watch"]
+- apiGroups: ["kopf.dev"]
+  resources: [{{ .resource | quote }}]
+  resourceNames: [{{ include "disagg.peeringName" .root | quote }}]
+  verbs: ["get", "patch"]
+{{- end -}}
+
 {{/* Guards for what the schema cannot express (also when --skip-schema-validation is used). */}}
 {{- define "disagg.validate" -}}
-{{- if gt (int .Values.replicas) 1 -}}
-{{- fail "replicas must be 0 or 1: the disagg operator has no leader election (kopf peering does not elect among equal-priority replicas), so two replicas would reconcile every DisaggregatedModel twice" -}}
+{{- if or (lt (int .Values.replicas) 0) (gt (int .Values.replicas) 5) -}}
+{{- fail "replicas must be between 0 and 5: one operator replica works (kopf peering leader election), the others only stand by" -}}
 {{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
 {{- fail "metrics.serviceMonitor.enabled needs metrics.service.enabled: the ServiceMonitor selects the metrics Service" -}}
