@@ -68,6 +68,7 @@ def chat(endpoint: str, forced: list[int]) -> None:
                 if section != kind:
                     section = kind
                     print(f"\n{'assistant (reasoning)' if kind == 'reasoning' else 'assistant'}: ", end="")
+                    text = text.lstrip()  # the template's newlines after <think> / </think>
                 print(text, end="", flush=True)
     total = time.perf_counter() - started
     print("\n")

@@ -8,13 +8,14 @@ stopping one stops its children too.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,10 +114,23 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+# Listening ports come from below the kernel's ephemeral range (32768-60999 by default): a port
+# from bind(0) is an ephemeral one, and any outgoing connection's implicit bind can take it before
+# our server binds it (seen: a vLLM server dying with EADDRINUSE under load). scripts/cluster uses
+# 27400-27995.
+_LISTEN_PORTS = range(15000, 27400)
+_handed_out: set[int] = set()  # not yet bound by whoever asked: never hand them out twice
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nobody listens on or connects from, for a server about to start."""
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.choice(_LISTEN_PORTS)
+        if port not in _handed_out and not port_in_use(port, host):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port in {_LISTEN_PORTS.start}-{_LISTEN_PORTS.stop - 1}")
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -143,21 +157,34 @@ def start(spec: ServerSpec, log_dir: Path) -> ManagedServer:
     return ManagedServer(spec, proc, log_path)
 
 
-def wait_healthy(servers: Iterable[ManagedServer], timeout: float, poll: float = 0.5) -> None:
-    """Poll every server's health endpoint until all answer 200; fail fast if one exits."""
+def wait_healthy(servers: Iterable[ManagedServer], timeout: float, poll: float = 0.5,
+                 progress: Callable[[str], None] | None = None) -> None:
+    """Poll every server's health endpoint until all answer 200. Fails fast when any server exits,
+    also one that already answered (if its port was taken, someone else's server answered for it)."""
+    servers = list(servers)
     pending = list(servers)
-    deadline = time.monotonic() + timeout
-    while pending:
-        for server in list(pending):
+    started = time.monotonic()
+    last_report = 0.0
+    while True:
+        for server in servers:
             if not server.alive():
                 raise ServerStartError(
                     f"{server.spec.name} exited with {server.proc.returncode}:\n{server.log_tail()}"
                 )
+        if not pending:
+            return
+        for server in list(pending):
             if server.healthy():
                 pending.remove(server)
-        if pending and time.monotonic() > deadline:
+                if progress:
+                    progress(f"  healthy: {server.spec.name:12s} {server.url}  ({time.monotonic() - started:.0f}s)")
+        elapsed = time.monotonic() - started
+        if pending and elapsed > timeout:
             tails = "\n\n".join(f"--- {s.spec.name} ---\n{s.log_tail()}" for s in pending)
             raise ServerStartError(f"not healthy after {timeout:.0f}s: {[s.spec.name for s in pending]}\n{tails}")
+        if pending and progress and elapsed - last_report >= 15:
+            last_report = elapsed
+            progress(f"  waiting for {', '.join(s.spec.name for s in pending)} ({elapsed:.0f}s)")
         if pending:
             time.sleep(poll)
 

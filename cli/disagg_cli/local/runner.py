@@ -21,7 +21,7 @@ import yaml
 
 from disagg_cli.local.plan import LOOPBACK, LocalProcess, engine_processes, sidecar_processes
 from disagg_engine.servers import (
-    ManagedServer, ServerSpec, ServerStartError, free_port, pid_alive, signal_group, start, stop_all,
+    ManagedServer, ServerSpec, free_port, pid_alive, signal_group, start, stop_all, wait_healthy,
 )
 from disagg_operator.plan import build_plan
 from disagg_operator.spec import SpecError, parse_manifest
@@ -80,28 +80,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _wait(servers: list[ManagedServer], timeout: float, progress) -> None:
-    start_time = time.monotonic()
-    pending = list(servers)
-    last_report = 0.0
-    while pending:
-        for server in list(pending):
-            if not server.alive():
-                raise ServerStartError(f"{server.spec.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
-            if server.healthy():
-                pending.remove(server)
-                progress(f"  healthy: {server.spec.name:12s} {server.url}  ({time.monotonic() - start_time:.0f}s)")
-        elapsed = time.monotonic() - start_time
-        if pending and elapsed > timeout:
-            raise ServerStartError(f"not healthy after {timeout:.0f}s: {[s.spec.name for s in pending]}\n"
-                                   + "\n".join(f"--- {s.spec.name} ---\n{s.log_tail()}" for s in pending))
-        if pending and elapsed - last_report >= 15:
-            last_report = elapsed
-            progress(f"  waiting for {', '.join(s.spec.name for s in pending)} ({elapsed:.0f}s)")
-        if pending:
-            time.sleep(0.5)
-
-
 def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"),
        progress=lambda line: print(line, flush=True)) -> tuple[Deployment, list[ManagedServer]]:
     manifest = load_spec(path)
@@ -123,7 +101,7 @@ def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"
     ])
     deployment.save()
     try:
-        _wait(servers, HEALTH_TIMEOUT, progress)
+        wait_healthy(servers, HEALTH_TIMEOUT, progress=progress)
     except BaseException:
         stop_all(servers)
         shutil.rmtree(state_dir, ignore_errors=True)
