@@ -148,8 +148,9 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(config: SidecarConfig) -> web.Application:
     app = web.Application(middlewares=[errors_and_access_log], client_max_size=config.max_body_bytes)
-    app[STATE] = SidecarState(config)
+    app[STATE] = state = SidecarState(config)
     app[METRICS] = Metrics()
+    app[METRICS].in_flight.set_function(lambda: state.in_flight)  # read at scrape time
     app.cleanup_ctx.append(_upstreams)
     app.router.add_post(wire.CHAT, handlers.chat)
     app.router.add_post(wire.COMPLETIONS, handlers.completions)

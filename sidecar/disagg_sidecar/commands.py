@@ -17,15 +17,17 @@ from disagg_sidecar.keys import STATE
 from disagg_sidecar.logs import setup_logging
 
 log = logging.getLogger("disagg_sidecar")
+CUT_SECONDS = 1.0  # after the drain: what handlers still running get before they are cancelled
 
 
 async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
     """Serve until ``stop`` is set, then drain: readiness off, in-flight requests get up to
-    ``limits.drain_seconds`` to finish, then the rest are cancelled."""
+    ``limits.drain_seconds`` to finish, then the rest are cancelled (their legs aborted)."""
     app = build_app(config)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its legs.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=max(config.limits.drain_seconds, 0.1))
+    # The drain below is the grace period; shutdown only lets responses that just ended flush
+    # (as aiohttp's own shutdown_timeout it would add a second drain_seconds to the deadline).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
     await site.start()

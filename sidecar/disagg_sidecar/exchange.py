@@ -27,7 +27,7 @@ class Context:
     prefill_outcomes: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.inflight = InFlight(legs.engine_request_id(self.request_id))
+        self.inflight = InFlight(legs.engine_request_id(self.request_id), self.headers)
 
     @property
     def prefill_header(self) -> str | None:

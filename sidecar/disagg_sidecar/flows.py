@@ -116,6 +116,12 @@ class Flows:
             index_offset=index_offset,
         )
 
+    def _decode_5xx(self, status: int, raw: bytes) -> SidecarError:
+        """A decode engine's 5xx before the first byte: counted, and a 502 for the client (no
+        retry: the decode engine is this pod's own)."""
+        self.metrics.leg_errors.labels("decode", "status").inc()
+        return leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
+
     # -- decode, batch -----------------------------------------------------------------------------
 
     async def _decode_batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
@@ -142,7 +148,7 @@ class Flows:
                 continue
             if status < 500:
                 raise SidecarError.upstream(status, raw, "decode")
-            raise leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
+            raise self._decode_5xx(status, raw)
 
     # -- chat --------------------------------------------------------------------------------------
 
@@ -272,7 +278,7 @@ class Flows:
                 continue
             if status < 500:
                 raise SidecarError.upstream(status, raw, "decode")
-            raise leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
+            raise self._decode_5xx(status, raw)
 
     async def _relay(self, resp, mode: wire.OutputMode, ctx: Context, derender: legs.DerenderLeg,
                      writer: SSEWriter, shaper: Shaper) -> Any:
@@ -342,7 +348,7 @@ class Flows:
                 if resp.status != 200 or not body.get("stream"):
                     raw = await resp.read()
                     if resp.status >= 500:
-                        raise leg_failure(LegError("decode", "status", self.up.decode_url, resp.status, raw))
+                        raise self._decode_5xx(resp.status, raw)
                     return web.Response(body=raw, status=resp.status, content_type="application/json",
                                         headers=ctx.response_headers())
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

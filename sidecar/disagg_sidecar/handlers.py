@@ -71,20 +71,21 @@ def context(request: web.Request, body: Any) -> Context:
 
 async def _serve(request: web.Request, api: plan.Api) -> web.StreamResponse:
     state = request.app[STATE]
-    metrics = request.app[METRICS]
-    if state.full():
-        metrics.rejected.labels("concurrency").inc()
+    # Check and reserve the slot with no await in between: a slot taken only after the body is
+    # read would let any number of slow uploads pass the check together.
+    if not state.try_reserve():
+        request.app[METRICS].rejected.labels("concurrency").inc()
         raise SidecarError(503, "too many concurrent requests", type_="ServiceUnavailableError",
                            headers={"Retry-After": "1"})
-    raw, body = await read_json(request)
-    if api == "generate":
-        plan.check_generate_request(body)
-    else:
-        plan.check_openai_request(api, body)
-    ctx = context(request, body)
-    request_id_var.set(ctx.request_id)
-    flows: Flows = request.app[FLOWS]
-    with state.track():
+    try:
+        raw, body = await read_json(request)
+        if api == "generate":
+            plan.check_generate_request(body)
+        else:
+            plan.check_openai_request(api, body)
+        ctx = context(request, body)
+        request_id_var.set(ctx.request_id)
+        flows: Flows = request.app[FLOWS]
         try:
             if api == "chat":
                 return await flows.chat(request, raw, body, ctx)
@@ -94,6 +95,8 @@ async def _serve(request: web.Request, api: plan.Api) -> web.StreamResponse:
         except (asyncio.CancelledError, ConnectionResetError):
             request.app[UPSTREAM].abort(ctx.inflight)  # the client is gone
             raise
+    finally:
+        state.release()
 
 
 async def chat(request: web.Request) -> web.StreamResponse:

@@ -7,8 +7,6 @@ tier the config names has at least one endpoint that is known and answers; not w
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,16 +66,18 @@ class SidecarState:
     def full(self) -> bool:
         return self.in_flight >= self.config.limits.max_concurrent_requests
 
-    @contextmanager
-    def track(self) -> Iterator[None]:
+    def try_reserve(self) -> bool:
+        """Take a request slot if one is free (synchronous: check and take are one step)."""
+        if self.full():
+            return False
         self.in_flight += 1
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
+        return True
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
 
     async def wait_idle(self, timeout: float) -> bool:
         try:

@@ -31,6 +31,7 @@ Leg = Literal["render", "prefill", "decode", "derender"]
 JSON_HEADERS = {"Content-Type": "application/json"}
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2, sock_connect=1)
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=1)
+ABORT_GRACE_SECONDS = 1.0
 
 
 class LegError(Exception):
@@ -57,6 +58,7 @@ class InFlight:
     """Engine URLs a request currently has a generate leg on (to abort them on disconnect)."""
 
     engine_request_id: str
+    headers: Mapping[str, str] = field(default_factory=dict)  # the legs' (request id, trace context)
     urls: set[str] = field(default_factory=set)
 
 
@@ -160,6 +162,13 @@ class Upstream:
             inflight.urls.add(url)
         try:
             yield resp
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            # Reading the body failed (stalled past the leg timeout, or the engine went away after
+            # its headers); other legs inside this block raise LegError themselves.
+            resp.close()
+            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnect"
+            self.metrics.leg_errors.labels("decode", kind).inc()
+            raise LegError("decode", kind, url, detail=str(exc)) from exc
         except BaseException:
             resp.close()  # left in `inflight`: a disconnect handler aborts it
             raise
@@ -180,14 +189,14 @@ class Upstream:
         """
         for url in list(inflight.urls):
             self.metrics.aborts.inc()
-            task = asyncio.create_task(self._abort(url, inflight.engine_request_id))
+            task = asyncio.create_task(self._abort(url, inflight.engine_request_id, inflight.headers))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _abort(self, url: str, engine_request_id: str) -> None:
+    async def _abort(self, url: str, engine_request_id: str, headers: Mapping[str, str]) -> None:
         body = json.dumps({"request_ids": [engine_request_id]}).encode()
-        try:
-            async with self.session.post(url + wire.ABORT, data=body, headers=JSON_HEADERS,
+        try:  # with the legs' headers: the abort belongs to the same request and trace
+            async with self.session.post(url + wire.ABORT, data=body, headers={**headers, **JSON_HEADERS},
                                          timeout=ABORT_TIMEOUT) as resp:
                 await resp.read()
                 if resp.status != 200:
@@ -222,6 +231,9 @@ class Upstream:
             return resp.status, await resp.read()
 
     async def close(self) -> None:
+        # Aborts sent as the last streams were cut (drain deadline) get a moment to land.
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=ABORT_GRACE_SECONDS)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

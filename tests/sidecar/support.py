@@ -1,7 +1,8 @@
 """Test helpers: the sidecar in-process on a free port, and a recording pass-through proxy.
 
 The proxy forwards every request to a real vLLM server and records what it got; with a delay it
-is the "artificially slow derender endpoint" (a fault the real servers cannot produce).
+is the "artificially slow derender endpoint", with ``fail`` an engine answering 5xx (faults the
+real servers cannot produce on demand).
 """
 
 from __future__ import annotations
@@ -101,16 +102,19 @@ class Recorded:
     path: str
     headers: dict[str, str]
     body: Any
+    response: bytearray = field(default_factory=bytearray)  # the bytes sent back, as forwarded
 
 
 @dataclass
 class RecordingProxy:
-    """Forwards to ``target`` after ``delay`` seconds and records each request."""
+    """Forwards to ``target`` after ``delay`` seconds and records each request; a path in
+    ``fail`` is answered with that (status, body) instead. Both may change while it runs."""
 
     target: str
     delay: float = 0.0
     url: str = ""
     calls: list[Recorded] = field(default_factory=list)
+    fail: dict[str, tuple[int, bytes]] = field(default_factory=dict)
 
     _stop: Callable[[], None] | None = None
 
@@ -141,9 +145,11 @@ def recording_proxy(target: str, delay: float = 0.0) -> Iterator[RecordingProxy]
                 body = json.loads(raw) if raw else None
             except ValueError:
                 body = raw
-            proxy.calls.append(Recorded(request.path, dict(request.headers), body))
+            proxy.calls.append(recorded := Recorded(request.path, dict(request.headers), body))
             if proxy.delay:
-                await asyncio.sleep(proxy.delay)
+                await asyncio.sleep(proxy.delay)  # cancelled if the caller gives up first
+            if (fault := proxy.fail.get(request.path)) is not None:
+                return web.Response(status=fault[0], body=fault[1], content_type="application/json")
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
             async with session.request(request.method, proxy.target + request.path_qs, data=raw,
                                        headers=headers) as resp:
@@ -151,13 +157,15 @@ def recording_proxy(target: str, delay: float = 0.0) -> Iterator[RecordingProxy]
                     "Content-Type": resp.headers.get("Content-Type", "application/json")})
                 await out.prepare(request)
                 async for chunk in resp.content.iter_any():
+                    recorded.response += chunk
                     await out.write(chunk)
                 await out.write_eof()
                 return out
 
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", forward)
-        runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a caller that hangs up (a leg timeout) is not forwarded afterwards.
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         return runner, session

@@ -10,12 +10,14 @@ import http.client
 import json
 import socket
 from collections.abc import Iterator
+from contextlib import ExitStack
 from urllib.parse import urlsplit
 
 import pytest
 import requests
 
 from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
+from tests.sidecar.conftest import TOKENS_ONLY
 from tests.sidecar.support import (
     RunningSidecar,
     engine_metric,
@@ -25,7 +27,9 @@ from tests.sidecar.support import (
     wait_for,
 )
 from disagg_engine.servers import free_port
+from disagg_sidecar import streaming
 from disagg_sidecar.keys import STATE
+from disagg_sidecar.legs import engine_request_id
 
 pytestmark = pytest.mark.engine
 GENERATE = "/inference/v1/generate"
@@ -147,6 +151,42 @@ def test_legs_share_the_request_id_and_get_the_trace_context(forcer, proxied) ->
         assert "authorization" not in headers, "client credentials stay at the sidecar"
 
 
+def _trace_headers_ok(call, request_id: str, traceparent: str) -> bool:
+    headers = {k.lower(): v for k, v in call.headers.items()}
+    return headers.get("x-request-id") == request_id and headers.get("traceparent") == traceparent
+
+
+def test_derender_and_abort_calls_get_the_trace_context(engine_set, forcer, proxied) -> None:
+    """The legs that are not render/prefill/decode: the derender tier (completions logprobs
+    are chained even inline) and the abort sent to the decode engine after a disconnect."""
+    sidecar, proxies = proxied
+    _clear(proxies)
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    body = {"model": "tiny-qwen3", "prompt": "Trace me:", "max_tokens": 20, "logprobs": 1,
+            "vllm_xargs": forcer.xargs("The capital of France is Paris.")}
+    resp = requests.post(sidecar.url + "/v1/completions", json=body, timeout=60,
+                         headers={"traceparent": traceparent, "X-Request-Id": "trace-derender"})
+    assert resp.status_code == 200, resp.text
+    (derender,) = [c for c in proxies["render"].calls if c.path == "/v1/completions/derender"]
+    assert _trace_headers_ok(derender, "trace-derender", traceparent), derender.headers
+
+    decode = engine_set.url("decode")
+    assert wait_for(lambda: engine_metric(decode, "vllm:num_requests_running") == 0, timeout=30)
+    text = "word" + " word" * 2998
+    stream = requests.post(sidecar.url + "/v1/chat/completions", stream=True, timeout=120,
+                           json=forcer.chat_body("plain", stream=True, vllm_xargs=forcer.xargs(text), max_tokens=3100),
+                           headers={"traceparent": traceparent, "X-Request-Id": "trace-abort"})
+    assert stream.status_code == 200
+    lines = stream.iter_lines()
+    assert list(sse_events(next(lines) for _ in range(6))), "the stream started"
+    stream.close()  # the client goes away: the sidecar aborts the decode leg
+    assert wait_for(lambda: proxies["decode"].count("/inference/v1/abort_requests") == 1, timeout=10)
+    (abort,) = [c for c in proxies["decode"].calls if c.path == "/inference/v1/abort_requests"]
+    assert abort.body == {"request_ids": [engine_request_id("trace-abort")]}
+    assert _trace_headers_ok(abort, "trace-abort", traceparent), abort.headers
+    assert wait_for(lambda: engine_metric(decode, "vllm:num_requests_running") == 0, timeout=10)
+
+
 def test_invalid_traceparent_is_dropped(forcer, proxied) -> None:
     sidecar, proxies = proxied
     _clear(proxies)
@@ -168,19 +208,40 @@ def test_prefiller_header_selects_an_allowlisted_endpoint(forcer, proxied) -> No
         assert proxies["prefill"].count(GENERATE) == 1
 
 
+def _listening(family: socket.AddressFamily, host: str) -> socket.socket | None:
+    """A non-blocking listening socket on ``host`` (None where that loopback does not exist)."""
+    sock = socket.socket(family)
+    try:
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        return None
+    sock.listen(16)
+    sock.setblocking(False)
+    return sock
+
+
 def test_rejected_prefiller_headers_cause_no_connection(engine_set, forcer, proxied) -> None:
-    """Malformed, repeated or off-list targets: 400/403, and nothing is contacted at all."""
+    """Malformed, repeated or off-list targets: 400/403, and nothing is contacted at all
+    (traps listen on the IPv4 loopback, and on the IPv6 one where the machine has it)."""
     sidecar, proxies = proxied
-    with socket.socket() as trap:
-        trap.bind(("127.0.0.1", 0))
-        trap.listen(16)
-        trap.setblocking(False)
+    trap = _listening(socket.AF_INET, "127.0.0.1")
+    assert trap is not None
+    trap6 = _listening(socket.AF_INET6, "::1")
+    traps = [t for t in (trap, trap6) if t is not None]
+    with ExitStack() as stack:
+        for t in traps:
+            stack.enter_context(t)
         port = trap.getsockname()[1]
+        port6 = trap6.getsockname()[1] if trap6 is not None else port
         prefill = _host_port(proxies["prefill"].url)
         cases: list[tuple[list[str], int]] = [
             ([f"127.0.0.1:{port}"], 403),  # a listening port that is not a prefill endpoint
             ([f"localhost:{port}"], 403),
-            ([f"[::1]:{port}"], 403),
+            ([f"localhost:{port6}"], 403),
+            ([f"[::1]:{port6}"], 403),
+            ([f"[0:0:0:0:0:0:0:1]:{port6}"], 403),
+            ([f"http://[::1]:{port6}"], 400),
             ([f"169.254.169.254:{port}"], 403),
             ([f"http://127.0.0.1:{port}"], 400),
             ([f"127.0.0.1:{port}/v1"], 400),
@@ -201,8 +262,9 @@ def test_rejected_prefiller_headers_cause_no_connection(engine_set, forcer, prox
             assert got == status, (values, body)
             error = body["error"]
             assert error["code"] == status and error["param"] == "x-prefiller-host-port"
-        with pytest.raises(BlockingIOError):
-            trap.accept()  # the trap never saw a connection attempt
+        for t in traps:
+            with pytest.raises(BlockingIOError):
+                t.accept()  # no trap ever saw a connection attempt
     legs = [c for p in proxies.values() for c in p.calls if c.path not in ("/health", "/disagg/v1/capabilities")]
     assert legs == [], "no leg was sent for a rejected request"
     assert engine_set.servers["render"].log_path.read_text(errors="replace").count("/render") == render_before
@@ -273,6 +335,89 @@ def test_max_concurrent_requests(engine_set, forcer) -> None:
         assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=10)
         assert requests.post(sidecar.url + "/v1/chat/completions", json=forcer.chat_body("plain"),
                              timeout=60).status_code == 200
+
+
+def _start_upload(url: str, data: bytes, sent: int) -> http.client.HTTPConnection:
+    """A POST whose body is only partly sent (the rest with ``conn.send`` later)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    conn.putrequest("POST", parts.path)
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(len(data)))
+    conn.endheaders()
+    conn.send(data[:sent])
+    return conn
+
+
+def test_slow_uploads_hold_their_slots(engine_set, forcer) -> None:
+    """A request takes its slot before its body is read: with N uploads still sending their
+    bodies, request N+1 is refused at once (503, Retry-After) and nothing is sent upstream."""
+    limit = 2
+    with recording_proxy(engine_set.url("render")) as render:
+        config = sidecar_config(engine_set, render={"url": render.url}, limits={"max_concurrent_requests": limit})
+        with run_sidecar(config) as sidecar:
+            url = sidecar.url + "/v1/chat/completions"
+            data = json.dumps(forcer.chat_body("plain")).encode()
+            uploads = [_start_upload(url, data, len(data) // 2) for _ in range(limit)]
+            try:
+                assert wait_for(lambda: sidecar.app[STATE].in_flight == limit, timeout=10), \
+                    f"{sidecar.app[STATE].in_flight} slots taken by {limit} uploads in progress"
+                resp = requests.post(url, json=forcer.chat_body("plain"), timeout=30)
+                assert resp.status_code == 503 and resp.headers["Retry-After"] == "1", resp.text
+                assert resp.json()["error"]["type"] == "ServiceUnavailableError"
+                assert sidecar.metric("disagg_sidecar_rejected_requests_total", reason="concurrency") == 1
+                assert sidecar.metric("disagg_sidecar_requests_in_flight") == limit
+                assert render.count("/v1/chat/completions/render") == 0
+                for conn in uploads:  # the uploads finish and are served normally
+                    conn.send(data[len(data) // 2:])
+                for conn in uploads:
+                    answer = conn.getresponse()
+                    assert answer.status == 200, answer.read()
+                    assert json.loads(answer.read())["choices"][0]["message"]["content"]
+            finally:
+                for conn in uploads:
+                    conn.close()
+            assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=10)
+            assert render.count("/v1/chat/completions/render") == limit
+
+
+def test_done_is_never_sent_to_derender(engine_set, forcer) -> None:
+    """Chained streaming, one derender call per generate chunk (coalescing off): every chunk of
+    the decode stream is sent (finish-only and usage-only ones too), ``[DONE]`` never."""
+    body = forcer.chat_body("reasoning_tool_call", stream=True, n=2)
+    want = chat_stream_view(list(sse_events(requests.post(engine_set.url("coupled") + "/v1/chat/completions",
+                                                          json=body, stream=True, timeout=60).iter_lines())))
+    with recording_proxy(engine_set.url("decode")) as decode, recording_proxy(engine_set.url("render")) as derender:
+        config = sidecar_config(engine_set, decode={"url": decode.url, "capabilities": TOKENS_ONLY},
+                                derender={"url": derender.url}, limits={"coalesce": False})
+        with run_sidecar(config) as sidecar:
+            resp = requests.post(sidecar.url + "/v1/chat/completions", json=body, stream=True, timeout=120)
+            got = list(sse_events(resp.iter_lines()))
+    assert got[-1] == "[DONE]" and chat_stream_view(got) == want
+    (decode_leg,) = [c for c in decode.calls if c.path == GENERATE]
+    events, done = streaming.split_events(streaming.SSEParser().feed(bytes(decode_leg.response)))
+    assert done, "the decode stream ended with [DONE]"
+    calls = derender.bodies("/v1/chat/completions/derender")
+    assert all(isinstance(c, dict) and c["stream"] is True and isinstance(c["generate_chunk"], dict)
+               for c in calls), "every derender call carries one generate chunk, [DONE] none"
+    assert not any(b"[DONE]" in json.dumps(c).encode() for c in calls)
+    sent = [c["generate_chunk"] for c in calls]
+    assert len(sent) == len(events), (len(sent), len(events))
+    # Per choice, the chunks in decode order (the stop token the engine ended on dropped).
+    for index in (0, 1):
+        ours = [(s["choices"][0]["token_ids"], s["choices"][0]["finish_reason"]) for s in sent
+                if s["choices"] and s["choices"][0]["index"] == index]
+        theirs = [(e["choices"][0]["token_ids"], e["choices"][0]["finish_reason"]) for e in events
+                  if e["choices"] and e["choices"][0]["index"] == index]
+        assert [f for _, f in ours] == [f for _, f in theirs] and theirs[-1][1] == "stop"
+        assert [t for t, _ in ours[:-1]] == [t for t, _ in theirs[:-1]]
+        assert ours[-1][0] == theirs[-1][0][:-1], "the EOS is dropped, the finish still sent"
+    finish_only = [s for s in sent if s["choices"] and not s["choices"][0]["token_ids"]]
+    assert all(s["choices"][0]["finish_reason"] == "stop" for s in finish_only)
+    assert len(finish_only) == sum(1 for e in events if e["choices"] and len(e["choices"][0]["token_ids"]) == 1
+                                   and e["choices"][0]["finish_reason"] == "stop")
+    assert sent[-1]["choices"] == [] and sent[-1]["usage"] == events[-1]["usage"], "usage-only, last"
+    assert calls[-1]["stream_state"] is None
 
 
 # -- health, models, metrics -----------------------------------------------------------------------

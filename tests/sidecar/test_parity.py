@@ -19,7 +19,7 @@ from tests.harness.openai_views import (
     completion_view,
     sse_events,
 )
-from tests.sidecar.support import SERVED, run_sidecar, sidecar_config
+from tests.sidecar.support import SERVED, RunningSidecar, run_sidecar, sidecar_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.parity]
 
@@ -79,14 +79,47 @@ def check_chat_stream_shape(chunks: list[dict[str, Any]], request_id: str, n: in
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"], "usage comes last, on its own"
 
 
+MODES = ("derender", "text", "tokens")
+PATH_COUNTERS = [*(("decode_output_mode", "mode", m) for m in MODES),
+                 *(("output_mode_fallbacks", "requested", m) for m in MODES),
+                 *(("derender_calls", "kind", k) for k in ("batch", "stream"))]
+
+
+def path_counters(sidecar: RunningSidecar) -> dict[tuple[str, str], float]:
+    """The sidecar's counters that say which decode path a request took."""
+    return {(name, value): sidecar.metric(f"disagg_sidecar_{name}_total", **{label: value})
+            for name, label, value in PATH_COUNTERS}
+
+
+def check_path_taken(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float], path: str,
+                     inline_mode: str, stream: bool) -> None:
+    """One decode leg; inline: in ``inline_mode``, no fallback, no derender call; chained: tokens,
+    then the derender tier (one batch call, or at least one for a stream), no fallback."""
+    delta = {k: after[k] - before[k] for k in before}
+    expected = dict.fromkeys(delta, 0.0)
+    expected[("decode_output_mode", inline_mode if path == "inline" else "tokens")] = 1.0
+    if path == "chained":
+        calls = ("derender_calls", "stream" if stream else "batch")
+        assert delta[calls] >= 1, delta
+        expected[calls] = delta[calls] if stream else 1.0
+    assert delta == expected
+
+
+@pytest.fixture
+def path_name(request, path_sidecar) -> str:
+    return request.node.callspec.params["path_sidecar"]
+
+
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("name", CHAT_NAMES)
-def test_chat_parity(engine_set, forcer, path_sidecar, name: str, stream: bool, n: int) -> None:
+def test_chat_parity(engine_set, forcer, path_sidecar, path_name: str, name: str, stream: bool, n: int) -> None:
     body = forcer.chat_body(name, stream=stream, n=n)
     request_id = f"parity-{name}-{int(stream)}-{n}"
     want = sdk_chat(engine_set.url("coupled"), body, request_id)
+    before = path_counters(path_sidecar)
     got = sdk_chat(path_sidecar.url, body, request_id)
+    check_path_taken(before, path_counters(path_sidecar), path_name, "derender", stream)
     if stream:
         assert chat_stream_view(got) == chat_stream_view(want)
         check_chat_stream_shape(got, request_id, n)
@@ -114,10 +147,13 @@ def completion_body(forcer, name: str, stream: bool, n: int, prompt: Any = None)
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("name", list(COMPLETION_CASES))
-def test_completions_parity(engine_set, forcer, path_sidecar, name: str, stream: bool, n: int) -> None:
+def test_completions_parity(engine_set, forcer, path_sidecar, path_name: str, name: str, stream: bool,
+                            n: int) -> None:
     body = completion_body(forcer, name, stream, n)
     want = sdk_completion(engine_set.url("coupled"), body)
+    before = path_counters(path_sidecar)
     got = sdk_completion(path_sidecar.url, body)
+    check_path_taken(before, path_counters(path_sidecar), path_name, "text", stream)
     if stream:
         assert completion_stream_view(got) == completion_stream_view(want)
         assert {c["object"] for c in got} == {"text_completion"} and len({c["id"] for c in got}) == 1

@@ -1,13 +1,15 @@
 """Failures and slow tiers with real processes: a killed prefill server (retry, fallback, fail),
-a decode engine that dies mid-stream, a derender endpoint that goes away mid-stream, client
-disconnects (the engine stops generating), chunk coalescing with a slow derender tier, and
-SIGTERM draining of ``disagg sidecar --config FILE``.
+a decode engine that dies mid-stream or answers 5xx, legs slower than their timeouts, a derender
+endpoint that goes away mid-stream, client disconnects (the engine stops generating), chunk
+coalescing with a slow derender tier, and SIGTERM draining of ``disagg sidecar --config FILE``
+(streams finish; past the deadline they are cut).
 
 Killed servers are this module's own (``own_servers``), never the shared harness set.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,21 +18,33 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import requests
 import yaml
+from aiohttp import web
 
 from disagg_engine.servers import ManagedServer, ServerSpec, free_port, start_all, stop_all
 from disagg_engine.testing.server_set import ENGINE_ENV, ROLE_ENV, role_argv
 from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
 from tests.sidecar.conftest import TOKENS_ONLY
-from tests.sidecar.support import engine_metric, recording_proxy, run_sidecar, sidecar_config, wait_for
+from tests.sidecar.support import (
+    LoopThread,
+    RecordingProxy,
+    engine_metric,
+    recording_proxy,
+    run_sidecar,
+    sidecar_config,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.reliability]
 RUNNING = "vllm:num_requests_running"
+GENERATE = "/inference/v1/generate"
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +169,163 @@ def test_derender_endpoint_lost_mid_stream_is_retried_elsewhere(engine_set, forc
             assert sidecar.metric("disagg_sidecar_leg_retries_total", leg="derender") >= 1
 
 
+# -- slow legs, engine errors ---------------------------------------------------------------------
+
+SLOW = 120.0  # a proxy this slow never answers within a test's leg timeout
+LEG_TIMEOUT = 3.0
+
+
+@pytest.fixture
+def slowable(engine_set) -> Iterator[tuple[dict[str, RecordingProxy], dict]]:
+    """Every leg behind a proxy that can be made slow or failing; the sidecar chains (so a
+    derender leg exists) and every leg times out after ``LEG_TIMEOUT`` seconds without a byte."""
+    with recording_proxy(engine_set.url("render")) as render, recording_proxy(engine_set.url("render")) as derender, \
+            recording_proxy(engine_set.url("prefill")) as prefill, recording_proxy(engine_set.url("decode")) as decode:
+        proxies = {"render": render, "derender": derender, "prefill": prefill, "decode": decode}
+        timeouts = {f"{leg}_seconds": LEG_TIMEOUT for leg in proxies}
+        config = sidecar_config(engine_set, render={"url": render.url}, derender={"url": derender.url},
+                                decode={"url": decode.url, "capabilities": TOKENS_ONLY}, timeouts=timeouts,
+                                prefill={"discovery": {"kind": "static", "urls": [prefill.url, engine_set.url("prefill")]}})
+        yield proxies, config
+
+
+def test_a_leg_slower_than_its_timeout(engine_set, forcer, slowable) -> None:
+    """Past its timeout a leg is retried once (render, prefill, derender; on another endpoint when
+    there is one), then: render/derender -> 503 with Retry-After, prefill -> the decode engine
+    prefills itself (``x-disagg-prefill: fallback``), decode -> 502 (the pod's own engine, no retry)."""
+    proxies, config = slowable
+    body = forcer.chat_body("plain")
+    want = chat_view(chat(engine_set.url("coupled"), body).json())
+    with run_sidecar(config) as sidecar:
+        assert chat_view(chat(sidecar.url, body).json()) == want  # every leg in time
+
+        def timed_out(leg: str, attempts: int) -> requests.Response:
+            """The chat request with ``leg``'s proxy slow; ``attempts`` of that leg time out."""
+            errors = sidecar.metric("disagg_sidecar_leg_errors_total", leg=leg, kind="timeout")
+            proxies[leg].delay = SLOW
+            started = time.monotonic()
+            try:
+                resp = chat(sidecar.url, body, headers={"x-prefiller-host-port": host_port(proxies["prefill"].url)})
+            finally:
+                proxies[leg].delay = 0
+            elapsed = time.monotonic() - started
+            assert sidecar.metric("disagg_sidecar_leg_errors_total", leg=leg, kind="timeout") == errors + attempts
+            assert LEG_TIMEOUT * attempts <= elapsed < LEG_TIMEOUT * attempts + 30, elapsed
+            return resp
+
+        resp = timed_out("render", attempts=2)
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+        assert resp.json()["error"] == {"message": "The render tier is unavailable (timeout)",
+                                        "type": "ServiceUnavailableError", "param": None, "code": 503}
+        assert proxies["render"].count("/v1/chat/completions/render") == 1 + 2
+
+        # The header sends the first attempt to the slow proxy; the retry goes to the real server.
+        resp = timed_out("prefill", attempts=1)
+        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote"
+        assert chat_view(resp.json()) == want
+        assert sidecar.metric("disagg_sidecar_leg_retries_total", leg="prefill") == 1
+        proxies["prefill"].delay = SLOW  # a single prefill endpoint too slow: the fallback
+        single = {**config, "prefill": {**config["prefill"], "discovery": {"kind": "static",
+                                                                          "urls": [proxies["prefill"].url]}}}
+        with run_sidecar(single) as alone:
+            started = time.monotonic()
+            resp = chat(alone.url, body)
+            assert time.monotonic() - started >= 2 * LEG_TIMEOUT
+            assert alone.metric("disagg_sidecar_leg_errors_total", leg="prefill", kind="timeout") == 2
+        proxies["prefill"].delay = 0
+        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback"
+        assert chat_view(resp.json()) == want
+
+        resp = timed_out("derender", attempts=2)
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+        assert resp.json()["error"]["message"] == "The derender tier is unavailable (timeout)"
+
+        resp = timed_out("decode", attempts=1)
+        assert resp.status_code == 502 and "Retry-After" not in resp.headers
+        assert resp.json()["error"] == {"message": "The decode engine failed: timeout", "type": "BadGatewayError",
+                                        "param": None, "code": 502}
+        assert chat_view(chat(sidecar.url, body).json()) == want, "all legs in time again"
+
+
+ENGINE_500 = json.dumps({"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
+                                   "param": None, "code": 500}}).encode()
+
+
+def test_decode_5xx_before_the_first_byte_is_an_openai_502(engine_set, forcer, slowable) -> None:
+    """The decode engine answers 500: the client gets an OpenAI-shaped 502 (not a stream, even
+    when it asked for one: nothing was sent yet), on every API; the decode leg is not retried."""
+    proxies, config = slowable
+    decode = proxies["decode"]
+    with run_sidecar(config) as sidecar:
+        decode.fail[GENERATE] = (500, ENGINE_500)
+        gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render",
+                            json=forcer.chat_body("plain"), timeout=60).json()
+        requests_ = [
+            ("/v1/chat/completions", forcer.chat_body("plain")),
+            ("/v1/chat/completions", forcer.chat_body("plain", stream=True)),
+            ("/v1/completions", {"model": "tiny-qwen3", "prompt": "Say:", "max_tokens": 5}),
+            ("/v1/completions", {"model": "tiny-qwen3", "prompt": "Say:", "max_tokens": 5, "stream": True}),
+            (GENERATE, gen),
+            (GENERATE, {**gen, "stream": True}),
+        ]
+        for path, body in requests_:
+            before = decode.count(GENERATE)
+            resp = requests.post(sidecar.url + path, json=body, timeout=60)
+            assert resp.status_code == 502, (path, resp.text)
+            assert resp.headers["Content-Type"].startswith("application/json"), (path, resp.headers)
+            error = resp.json()["error"]
+            assert error["type"] == "BadGatewayError" and error["code"] == 502 and error["param"] is None
+            assert error["message"].startswith("The decode engine failed: ") and "EngineCore" in error["message"]
+            assert decode.count(GENERATE) == before + 1, "the decode leg is not retried"
+        assert sidecar.metric("disagg_sidecar_leg_errors_total", leg="decode", kind="status") == len(requests_)
+        assert sidecar.metric("disagg_sidecar_requests_total", api="chat", code="502") == 2
+        del decode.fail[GENERATE]
+        assert chat(sidecar.url, forcer.chat_body("plain")).status_code == 200
+
+
+@contextmanager
+def stalling_decode_engine() -> Iterator[str]:
+    """A decode engine that answers 200 with its headers and then sends nothing: a fault a real
+    engine cannot be made to show on demand."""
+    lt = LoopThread()
+    port = free_port()
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await asyncio.sleep(SLOW)  # cancelled when the sidecar gives up and closes the connection
+        return resp
+
+    async def start() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_post(GENERATE, generate)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = lt.run(start())
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        lt.run(runner.cleanup())
+        lt.close()
+
+
+def test_decode_stalling_after_its_headers_is_an_openai_502(engine_set, forcer) -> None:
+    with stalling_decode_engine() as decode:
+        config = sidecar_config(engine_set, decode={"url": decode, "capabilities": TOKENS_ONLY},
+                                timeouts={"decode_seconds": LEG_TIMEOUT})
+        with run_sidecar(config) as sidecar:
+            started = time.monotonic()
+            resp = chat(sidecar.url, forcer.chat_body("plain"))
+            assert LEG_TIMEOUT <= time.monotonic() - started < LEG_TIMEOUT + 30
+            assert resp.status_code == 502, resp.text
+            assert resp.json()["error"] == {"message": "The decode engine failed: timeout", "type": "BadGatewayError",
+                                            "param": None, "code": 502}
+            assert sidecar.metric("disagg_sidecar_leg_errors_total", leg="decode", kind="timeout") == 1
+
+
 # -- client disconnects --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["inline", "chained"])
@@ -208,38 +379,108 @@ def test_slow_derender_tier_gets_coalesced_chunks(engine_set, forcer) -> None:
 
 # -- the command, SIGTERM --------------------------------------------------------------------------
 
-def test_sidecar_command_drains_on_sigterm(engine_set, forcer, tmp_path) -> None:
+@dataclass
+class Command:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def logged(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+    def in_flight(self) -> float:
+        """The sidecar's own ``disagg_sidecar_requests_in_flight`` gauge."""
+        text = requests.get(self.url + "/metrics", timeout=5).text
+        (line,) = [line for line in text.splitlines() if line.startswith("disagg_sidecar_requests_in_flight ")]
+        return float(line.split()[1])
+
+
+@contextmanager
+def sidecar_command(engine_set, tmp_path: Path, drain_seconds: float) -> Iterator[Command]:
+    """``disagg sidecar --config FILE`` as its own process, ready."""
     port = free_port()
     config = sidecar_config(engine_set, listen={"host": "127.0.0.1", "port": port},
-                            limits={"drain_seconds": 60, "health_interval_seconds": 0.5})
+                            limits={"drain_seconds": drain_seconds, "health_interval_seconds": 0.5})
     path = tmp_path / "sidecar.yaml"
     path.write_text(yaml.safe_dump(config))
-    log = (tmp_path / "sidecar.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "disagg_cli.main", "sidecar", "--config", str(path)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "sidecar.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "disagg_cli.main", "sidecar", "--config", str(path)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    command = Command(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        assert wait_for(lambda: _status(url + "/health") == 200, timeout=60), (tmp_path / "sidecar.log").read_text()
-        out: list = []
-        resp = chat(url, long_body(forcer, 300), stream=True)
-        lines = resp.iter_lines()
-        out += list(sse_events(next(lines) for _ in range(4)))
-        proc.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: _status(url + "/health") == 503, timeout=10), "readiness still on while draining"
-        reader = threading.Thread(target=lambda: out.extend(sse_events(lines)))
-        reader.start()
-        reader.join(120)
-        assert out[-1] == "[DONE]" and chat_stream_view(out)["choices"][0]["finish_reason"] == "stop"
-        assert proc.wait(30) == 0
+        assert wait_for(lambda: _status(command.url + "/health") == 200, timeout=60), log_path.read_text()
+        yield command
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        log.close()
-    lines_logged = [json.loads(line) for line in (tmp_path / "sidecar.log").read_text().splitlines()
-                    if line.startswith("{")]
-    access = [line for line in lines_logged if line["logger"] == "disagg_sidecar.access"]
+
+
+def _drained(command: Command) -> list[str]:
+    return [line["msg"] for line in command.logged() if line["logger"] == "disagg_sidecar"
+            and ("draining" in line["msg"] or "drain deadline" in line["msg"])]
+
+
+def test_sidecar_command_drains_on_sigterm(engine_set, forcer, tmp_path) -> None:
+    with sidecar_command(engine_set, tmp_path, drain_seconds=60) as command:
+        out: list = []
+        resp = chat(command.url, long_body(forcer, 300), stream=True)
+        lines = resp.iter_lines()
+        out += list(sse_events(next(lines) for _ in range(4)))
+        assert out and out[-1] != "[DONE]"
+        assert command.in_flight() == 1, "a stream is in flight when SIGTERM arrives"
+        command.proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: _status(command.url + "/health") == 503, timeout=10), "readiness still on while draining"
+        reader = threading.Thread(target=lambda: out.extend(sse_events(lines)))
+        reader.start()
+        reader.join(120)
+        assert not reader.is_alive()
+        assert out[-1] == "[DONE]" and chat_stream_view(out)["choices"][0]["finish_reason"] == "stop"
+        assert chat_stream_view(out)["usage"]["completion_tokens"] == 300, "the stream completed"
+        assert command.proc.wait(30) == 0
+    assert _drained(command) == ["draining 1 in-flight requests (up to 60s)"]
+    access = [line for line in command.logged() if line["logger"] == "disagg_sidecar.access"]
     assert access and all("request_id" in line for line in access), "structured logs carry the request id"
+    assert [line["status"] for line in access if line["path"] == "/v1/chat/completions"] == [200]
+
+
+def test_sidecar_command_cuts_streams_past_the_drain_deadline(engine_set, forcer, tmp_path) -> None:
+    """A stream longer than the drain deadline is cut at the deadline (no ``[DONE]``), its decode
+    leg stops, and the process exits."""
+    decode = engine_set.url("decode")
+    assert wait_for(lambda: engine_metric(decode, RUNNING) == 0, timeout=30), "decode busy before the test"
+    drain = 4.0  # the cut comes at the deadline (plus CUT_SECONDS), not at a second deadline after it
+    with sidecar_command(engine_set, tmp_path, drain_seconds=drain) as command:
+        resp = chat(command.url, long_body(forcer, 3000), stream=True)
+        lines = resp.iter_lines()
+        out: list = list(sse_events(next(lines) for _ in range(4)))
+        assert out and command.in_flight() == 1
+        signalled = time.monotonic()
+        command.proc.send_signal(signal.SIGTERM)
+        cut: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                out.extend(sse_events(lines))
+            except requests.RequestException as exc:  # the connection closes mid-stream
+                cut.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(60)
+        ended = time.monotonic() - signalled
+        assert not reader.is_alive()
+        assert "[DONE]" not in out, "the stream was cut, not finished"
+        assert drain <= ended < 2 * drain - 0.5, ended
+        assert chat_stream_view([e for e in out if e != "[DONE]"])["usage"] is None
+        assert command.proc.wait(30) == 0
+        assert wait_for(lambda: engine_metric(decode, RUNNING) == 0, timeout=5), "decode still generating"
+    assert _drained(command) == ["draining 1 in-flight requests (up to 4s)",
+                                 "drain deadline reached with 1 requests in flight"]
+    access = [line for line in command.logged() if line["logger"] == "disagg_sidecar.access"]
+    assert [line["status"] for line in access if line["path"] == "/v1/chat/completions"] == [499]
+    print(f"drain deadline {drain:.0f}s: stream cut {ended:.1f}s after SIGTERM")
 
 
 def _status(url: str) -> int | None:

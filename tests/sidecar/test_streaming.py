@@ -55,9 +55,11 @@ class FakeTier:
         self.calls: list[tuple[dict, Any]] = []
         self.gate = asyncio.Event()
         self.gate.set()
+        self.called = asyncio.Event()  # set by the first call
 
     async def call(self, c: dict, state: Any) -> tuple[dict, Any]:
         self.calls.append((c, state))
+        self.called.set()
         await self.gate.wait()
         if not c["choices"]:
             return {"choices": [], "usage": c["usage"]}, None
@@ -78,7 +80,8 @@ async def test_lanes_coalesce_while_a_call_is_in_flight(coalesce: bool) -> None:
     chained = ChainedDerender(tier.call, emit, coalesce=coalesce, on_call=merged_sizes.append)
     tier.gate.clear()
     chained.feed(chunk(0, [1]))
-    await asyncio.sleep(0)  # the first call starts at once
+    await asyncio.wait_for(tier.called.wait(), 5)  # the first call starts at once, alone
+    assert len(tier.calls) == 1
     for t in range(2, 10):
         chained.feed(chunk(0, [t]))
     chained.feed(chunk(1, [100]))
