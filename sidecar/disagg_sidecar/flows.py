@@ -122,6 +122,18 @@ class Flows:
         self.metrics.leg_errors.labels("decode", "status").inc()
         return leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
 
+    def _after_refusal(self, status: int, raw: bytes, mode: wire.OutputMode,
+                       decode_plan: plan.DecodePlan) -> wire.OutputMode:
+        """A non-200 decode answer: ``"tokens"`` when an engine refused the inline mode and the
+        answer can be chained instead; otherwise the error for the client."""
+        if status == 400 and mode != "tokens" and decode_plan.chain is not None:
+            log.warning("decode engine rejected output_mode=%s, chaining instead: %s", mode, raw[:300])
+            self.metrics.mode_fallbacks.labels(mode).inc()
+            return "tokens"
+        if status < 500:
+            raise SidecarError.upstream(status, raw, "decode")
+        raise self._decode_5xx(status, raw)
+
     # -- decode, batch -----------------------------------------------------------------------------
 
     async def _decode_batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
@@ -141,14 +153,7 @@ class Flows:
                 if (parsed.get(wire.OUTPUT_MODE) or "tokens") != mode:
                     self.metrics.mode_fallbacks.labels(mode).inc()
                 return raw, parsed
-            if status == 400 and mode != "tokens" and decode_plan.chain is not None:
-                log.warning("decode engine rejected output_mode=%s, chaining instead: %s", mode, raw[:300])
-                self.metrics.mode_fallbacks.labels(mode).inc()
-                mode = "tokens"
-                continue
-            if status < 500:
-                raise SidecarError.upstream(status, raw, "decode")
-            raise self._decode_5xx(status, raw)
+            mode = self._after_refusal(status, raw, mode, decode_plan)
 
     # -- chat --------------------------------------------------------------------------------------
 
@@ -271,14 +276,7 @@ class Flows:
                     status, raw = resp.status, await resp.read()
             except LegError as exc:
                 raise leg_failure(exc) from exc
-            if status == 400 and mode != "tokens" and decode_plan.chain is not None:
-                log.warning("decode engine rejected output_mode=%s, chaining instead: %s", mode, raw[:300])
-                self.metrics.mode_fallbacks.labels(mode).inc()
-                mode = "tokens"
-                continue
-            if status < 500:
-                raise SidecarError.upstream(status, raw, "decode")
-            raise self._decode_5xx(status, raw)
+            mode = self._after_refusal(status, raw, mode, decode_plan)
 
     async def _relay(self, resp, mode: wire.OutputMode, ctx: Context, derender: legs.DerenderLeg,
                      writer: SSEWriter, shaper: Shaper) -> Any:

@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from disagg_engine.servers import pid_alive
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "scripts" / "cluster"
 K8S_BINS_SCRIPT = REPO / "scripts" / "k8s-bins"
@@ -155,15 +157,6 @@ def _session_lock(state_dir: Path) -> Iterator[None]:
         yield
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _start_or_reuse(state_dir: Path) -> None:
     """Start the cluster unless a healthy one is there; register this process as a user."""
@@ -184,7 +177,7 @@ def _release(state_dir: Path) -> str | None:
     """Unregister; stop the cluster if pytest started it and nobody else uses it. Returns an error."""
     users = state_dir / "pytest-users"
     (users / str(os.getpid())).unlink(missing_ok=True)
-    others = [p for p in users.glob("*") if p.name.isdigit() and _alive(int(p.name))] if users.is_dir() else []
+    others = [p for p in users.glob("*") if p.name.isdigit() and pid_alive(int(p.name))] if users.is_dir() else []
     if others or not (state_dir / "pytest-owned").exists():
         return None
     down = cluster_script("down", state_dir, timeout=120)
