@@ -82,19 +82,20 @@ def main() -> None:
         gen = requests.post(urls["render"] + "/v1/chat/completions/render", json=chat, timeout=60).json()
         inline = {**gen, "output_mode": "derender", "chat_request": chat}
 
-        results = {}
-        for name, url, body, pid in (
+        paths = (
             ("coupled /v1/chat/completions", urls["coupled"] + "/v1/chat/completions", chat, pids["coupled"]),
             ("generate output_mode=derender", urls["decode"] + "/inference/v1/generate", inline, pids["decode"]),
-        ):
+        )
+        totals = {name: [0.0, 0.0] for name, *_ in paths}
+        for _, url, body, _ in paths:
             stream(url, body)  # warm-up
-            cpu = wall = 0.0
-            for _ in range(args.runs):
+        for _ in range(args.runs):  # alternating, so drift in machine load hits both paths alike
+            for name, url, body, pid in paths:
                 c0, w0 = api_cpu(pid), time.perf_counter()
                 stream(url, body)
-                cpu += api_cpu(pid) - c0
-                wall += time.perf_counter() - w0
-            results[name] = (cpu / args.runs, wall / args.runs)
+                totals[name][0] += api_cpu(pid) - c0
+                totals[name][1] += time.perf_counter() - w0
+        results = {name: (cpu / args.runs, wall / args.runs) for name, (cpu, wall) in totals.items()}
         print(f"forced output: {len(ids)} tokens (reasoning + content + 1 tool call), {args.runs} runs each")
         for name, (cpu, wall) in results.items():
             print(f"  {name:32s} API-process CPU {cpu:6.3f} s  ({1e6 * cpu / len(ids):7.1f} us/token)  wall {wall:6.2f} s")

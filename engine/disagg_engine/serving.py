@@ -9,7 +9,6 @@ client-carried state. Only the shape is changed (``shapes.py``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -98,8 +97,4 @@ class DisaggServingTokens(ServingTokens):
             if payload == "[DONE]" or not payload:
                 yield event
                 continue
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                yield event  # same SSE error event as vLLM's own streams
-                continue
-            yield f"data: {json.dumps(shapes.derender_stream_chunk(chunk, request_id), separators=(',', ':'))}\n\n"
+            yield f"data: {shapes.derender_stream_event(payload, request_id)}\n\n"

@@ -80,7 +80,9 @@ def test_batch_derender_equals_coupled_and_chained(engine_set, forcer, name, n):
                      "prompt_token_ids": gen["token_ids"], "chat_request": chat}).json()
     assert chat_view(inline) == chat_view(coupled)
     chained_view = chat_view(normalise_chat_response(chained, tokens["usage"], chat.get("tool_choice")))
-    if name != "stop_string":  # derender re-decodes every token: the stop string comes back
+    if name == "stop_string":
+        _assert_extends(chained_view, chat_view(inline))
+    else:
         assert chained_view == chat_view(coupled)
     if name == "logprobs":
         assert _logprob_view(inline) == _logprob_view(coupled)
@@ -114,22 +116,36 @@ def test_streamed_derender_equals_coupled_and_chained(engine_set, forcer, name, 
                     ids.setdefault((c["index"], tc["index"]), set()).add(tc["id"])
     assert set(first_delta) == set(range(n)) and all(d.get("role") == "assistant" for d in first_delta.values())
     assert all(len(v) == 1 for v in ids.values())
-    if name == "stop_string":
-        return  # streaming derender cannot cut text it already sent (0.33 rejects stop there)
     tokens = _events(_post(engine_set.url("decode") + "/inference/v1/generate", gen, stream=True))
-    derender = engine_set.url("render") + "/v1/chat/completions/derender"
+    # Chat derender decodes every id it gets: the engine's final stop token is dropped first.
+    chained = _chained_stream(engine_set.url("render") + "/v1/chat/completions/derender",
+                              [generate_for_derender(e) for e in tokens[:-1]], gen, {"chat_request": chat})
+    if name == "stop_string":  # streaming derender cannot cut text it already sent (0.33 rejects stop there)
+        _assert_extends(chat_stream_view(chained), chat_stream_view(inline))
+    else:
+        assert chat_stream_view(chained) == chat_stream_view(coupled)
+
+
+def _chained_stream(url: str, chunks: list, gen: dict, request: dict) -> list:
+    """Each generate(tokens) chunk through streaming ``/derender`` with its choice's state."""
     states: dict = {}
     chained = []
-    for event in tokens[:-1]:
-        index = event["choices"][0]["index"] if event["choices"] else None
-        out = _post(derender, {"stream": True, "generate_chunk": generate_for_derender(event),
-                               "stream_state": states.get(index),
-                               "prompt_tokens": len(gen["token_ids"]), "prompt_token_ids": gen["token_ids"],
-                               "chat_request": chat}).json()
+    for chunk in chunks:
+        index = chunk["choices"][0]["index"] if chunk["choices"] else None
+        out = _post(url, {"stream": True, "generate_chunk": chunk, "stream_state": states.get(index),
+                          "prompt_tokens": len(gen["token_ids"]), "prompt_token_ids": gen["token_ids"], **request}).json()
         if index is not None:
             states[index] = out["stream_state"]
         chained.append(out["chunk"])
-    assert chat_stream_view(chained + ["[DONE]"]) == chat_stream_view(coupled)
+    return chained + ["[DONE]"]
+
+
+def _assert_extends(chained: dict, inline: dict) -> None:
+    """Derender re-decodes every token, so the stop string and what follows come back: the
+    chained content starts with the inline content and differs only after it."""
+    for i, choice in inline["choices"].items():
+        assert choice["content"] and chained["choices"][i]["content"].startswith(choice["content"])
+        assert chained["choices"][i]["content"] != choice["content"]
 
 
 COMPLETION_CASES = {
@@ -137,6 +153,7 @@ COMPLETION_CASES = {
     "stop_string": ("Alpha beta STOP gamma delta", {"stop": ["STOP"]}),
     "multibyte": (OUTPUTS["multibyte"][0], {}),
     "markup_stays_text": (OUTPUTS["reasoning_tool_call"][0], {}),
+    "logprobs": (OUTPUTS["multibyte"][0], {"logprobs": 5}),
 }
 
 
@@ -149,6 +166,56 @@ def _completion(forcer, name: str, stream: bool, n: int) -> dict:
     return body
 
 
+def _choices(resp: dict | list) -> list[dict]:
+    """Every choice of a batch answer or of every chunk of a stream, in order."""
+    events = resp if isinstance(resp, list) else [resp]
+    return [c for e in events if e != "[DONE]" for c in e.get("choices", [])]
+
+
+def _generate_text_logprobs(resp: dict | list) -> dict[int, list]:
+    """generate(text) logprobs per choice: (token, logprob, bytes, top [(token, logprob)])."""
+    out: dict[int, list] = {}
+    for c in _choices(resp):
+        for e in (c.get("logprobs") or {}).get("content") or []:
+            out.setdefault(c["index"], []).append((e["token"], round(e["logprob"], 4), bytes(e["bytes"]),
+                                                   [(t["token"], round(t["logprob"], 4)) for t in e["top_logprobs"]]))
+    return out
+
+
+def _completion_logprobs(resp: dict | list) -> dict[int, list]:
+    """/v1/completions logprobs per choice: (token, logprob, top {token: logprob})."""
+    out: dict[int, list] = {}
+    for c in _choices(resp):
+        lp = c.get("logprobs") or {}
+        for token, logprob, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []):
+            out.setdefault(c["index"], []).append((token, round(logprob, 4), {k: round(v, 4) for k, v in top.items()}))
+    return out
+
+
+def _assert_text_logprobs_match(inline: dict | list, coupled: dict | list, coupled_ids: dict | list,
+                                texts: dict[int, str]) -> None:
+    """``coupled_ids`` is the coupled answer with ``return_tokens_as_token_ids``: its top-logprob
+    keys are unique, where token strings collide (partial UTF-8 tokens all decode to "")."""
+    got, want, want_ids = _generate_text_logprobs(inline), _completion_logprobs(coupled), _completion_logprobs(coupled_ids)
+    assert set(got) == set(want) == set(want_ids) == set(texts)
+    ids: dict[int, list[int]] = {}
+    for c in _choices(inline):
+        ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+    for i, entries in got.items():
+        assert [(t, lp) for t, lp, _, _ in entries] == [(t, lp) for t, lp, _ in want[i]]
+        assert [int(t.removeprefix("token_id:")) for t, _, _ in want_ids[i]] == ids[i]
+        for (_, _, _, top), (_, _, want_top) in zip(entries, want_ids[i]):
+            # vLLM lists the sampled token, then the top ones; generate keeps `logprobs` entries.
+            assert len(top) == 5 and [lp for _, lp in top] == list(want_top.values())[:5]
+        # The bytes of the chosen tokens rebuild the text (multi-byte characters split across tokens).
+        decoded = b"".join(b for _, _, b, _ in entries).decode()
+        assert decoded.startswith(texts[i]) and decoded[len(texts[i]):] in ("", "<|im_end|>")
+
+
+def _texts(view: dict) -> dict[int, str]:
+    return {i: c["text"] for i, c in view["choices"].items()}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("name", list(COMPLETION_CASES))
@@ -156,27 +223,30 @@ def test_text_mode_equals_coupled_completions(engine_set, forcer, name, n, strea
     body = _completion(forcer, name, stream, n)
     (gen,) = _post(engine_set.url("render") + "/v1/completions/render", body).json()
     url = engine_set.url("decode") + "/inference/v1/generate"
-    coupled_resp = _post(engine_set.url("coupled") + "/v1/completions", body, stream=stream)
-    inline_resp = _post(url, {**gen, "output_mode": "text"}, stream=stream)
+    view = completion_stream_view if stream else completion_view
+    answer = _events if stream else (lambda resp: resp.json())
+    coupled = answer(_post(engine_set.url("coupled") + "/v1/completions", body, stream=stream))
+    inline = answer(_post(url, {**gen, "output_mode": "text"}, stream=stream))
+    assert all(e["output_mode"] == "text" for e in (inline if stream else [inline]) if e != "[DONE]")
+    got = view(inline)
+    assert got == view(coupled)
+    if name == "logprobs":
+        coupled_ids = answer(_post(engine_set.url("coupled") + "/v1/completions",
+                                   {**body, "return_tokens_as_token_ids": True}, stream=stream))
+        _assert_text_logprobs_match(inline, coupled, coupled_ids, _texts(got))
+    # Chained: generate(tokens) -> /v1/completions/derender. Completions decode with special tokens
+    # skipped, so the stop token needs no stripping here.
+    derender = engine_set.url("render") + "/v1/completions/derender"
+    tokens = answer(_post(url, gen, stream=stream))
     if stream:
-        inline_events = _events(inline_resp)
-        got = completion_stream_view(inline_events)
-        want = completion_stream_view(_events(coupled_resp))
+        chained = completion_stream_view(_chained_stream(derender, tokens[:-1], gen, {"completion_request": body}))
     else:
-        inline = inline_resp.json()
-        got, want = completion_view(inline), completion_view(coupled_resp.json())
-    assert got == want
-    if stream:
-        return
-    tokens = _post(url, gen).json()
-    # Completions decode with special tokens skipped, so the stop token needs no stripping here.
-    chained = _post(engine_set.url("render") + "/v1/completions/derender",
-                    {"generate_responses": [tokens], "prompt_tokens": [len(gen["token_ids"])],
-                     "prompt_token_ids": [gen["token_ids"]], "completion_request": body}).json()
-    chained_view = completion_view(chained)
+        chained = completion_view(_post(derender, {
+            "generate_responses": [tokens], "prompt_tokens": [len(gen["token_ids"])],
+            "prompt_token_ids": [gen["token_ids"]], "completion_request": body}).json())
     if name == "stop_string":
-        for i, choice in got["choices"].items():
-            assert chained_view["choices"][i]["text"].startswith(choice["text"])
+        # Derender re-decodes every token: it starts with the inline text and differs only after it.
+        for i, text in _texts(got).items():
+            assert chained["choices"][i]["text"].startswith(text) and chained["choices"][i]["text"] != text
     else:
-        assert chained_view == got
-
+        assert chained == got

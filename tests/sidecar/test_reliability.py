@@ -4,7 +4,7 @@ endpoint that goes away mid-stream, client disconnects (the engine stops generat
 coalescing with a slow derender tier, and SIGTERM draining of ``disagg sidecar --config FILE``
 (streams finish; past the deadline they are cut).
 
-Killed servers are this module's own (``own_servers``), never the shared harness set.
+Killed servers are the harness's spares (``spare_engines``), never the shared set.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import requests
 import yaml
 from aiohttp import web
 
-from disagg_engine.servers import ManagedServer, ServerSpec, free_port, start_all, stop_all
-from disagg_engine.testing.server_set import ENGINE_ENV, ROLE_ENV, role_argv
+from disagg_engine.servers import ManagedServer, free_port
 from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
 from tests.sidecar.conftest import TOKENS_ONLY
 from tests.sidecar.support import (
@@ -45,23 +44,6 @@ from tests.sidecar.support import (
 pytestmark = [pytest.mark.engine, pytest.mark.reliability]
 RUNNING = "vllm:num_requests_running"
 GENERATE = "/inference/v1/generate"
-
-
-@pytest.fixture(scope="module")
-def own_servers(engine_set, tmp_path_factory) -> Iterator[dict[str, ManagedServer]]:
-    """A prefill and a decode server of our own (same model and KV directory) to kill."""
-    log_dir = Path(tmp_path_factory.mktemp("own-servers"))
-    specs = []
-    for role in ("prefill", "decode"):
-        port = free_port()
-        specs.append(ServerSpec(name=f"own-{role}", port=port,
-                                argv=role_argv(role, engine_set.model_dir, port, engine_set.kv_dir),
-                                env={**ENGINE_ENV, **ROLE_ENV.get(role, {})}))
-    servers = start_all(specs, log_dir, timeout=900)
-    try:
-        yield {s.spec.name.removeprefix("own-"): s for s in servers}
-    finally:
-        stop_all(servers)
 
 
 def kill(server: ManagedServer) -> None:
@@ -86,8 +68,8 @@ def long_body(forcer, tokens: int, stream: bool = True, **extra) -> dict:
 
 # -- prefill failures ----------------------------------------------------------------------------
 
-def test_prefill_server_killed(engine_set, forcer, own_servers) -> None:
-    own = own_servers["prefill"].url
+def test_prefill_server_killed(engine_set, forcer, spare_engines) -> None:
+    own = spare_engines["prefill"].url
     shared = engine_set.url("prefill")
     fast = {"health_interval_seconds": 0.2}
     fallback = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [own]}}, limits=fast)
@@ -100,7 +82,7 @@ def test_prefill_server_killed(engine_set, forcer, own_servers) -> None:
         for sidecar in (a, b, c):
             resp = chat(sidecar.url, body)
             assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote"
-        kill(own_servers["prefill"])
+        kill(spare_engines["prefill"])
 
         # fallback: decode prefills the prompt itself; same answer, and the client is told.
         resp = chat(a.url, body)
@@ -131,8 +113,8 @@ def test_prefill_server_killed(engine_set, forcer, own_servers) -> None:
 
 # -- decode failures -----------------------------------------------------------------------------
 
-def test_decode_engine_dies_mid_stream(engine_set, forcer, own_servers) -> None:
-    decode = own_servers["decode"]
+def test_decode_engine_dies_mid_stream(engine_set, forcer, spare_engines) -> None:
+    decode = spare_engines["decode"]
     config = sidecar_config(engine_set, decode={"url": decode.url})
     with run_sidecar(config) as sidecar:
         resp = chat(sidecar.url, long_body(forcer, 2000), stream=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disagg_operator.engine_args import EXAMPLE, Launcher
+from disagg_operator.engine_args import EXAMPLE, Launcher, flag_name
 from disagg_operator.plan import Plan, PoolPlan, Role
 from disagg_operator.sidecar_config import static_endpoints
 from disagg_operator.spec import SpecError
@@ -27,8 +27,9 @@ MODULES = {
 }
 # What worked for vLLM's CPU build on small machines (cpu-engine-notes.md §2). The user's own env
 # from the spec wins over these.
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # whole GiB; overrides --kv-cache-memory-bytes when set
 CPU_ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
+    KV_SPACE_ENV: "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -75,8 +76,10 @@ def _local_kv(argv: list[str], kv_dir: Path) -> list[str]:
     return out
 
 
-def _env(pool: PoolPlan) -> dict[str, str]:
+def _env(pool: PoolPlan, flags: list[str]) -> dict[str, str]:
     env = dict(CPU_ENGINE_ENV)
+    if any(flag_name(arg) == "--kv-cache-memory-bytes" for arg in flags):
+        del env[KV_SPACE_ENV]  # the spec sized the KV cache itself
     for var in pool.env:
         if var.value_from is not None:
             if var.value_from.get("fieldRef", {}).get("fieldPath") == "status.podIP":
@@ -98,7 +101,7 @@ def engine_processes(plan: Plan, kv_dir: Path, ports: Callable[[], int]) -> list
             prefix = len(("vllm", "serve")) if pool.launcher is Launcher.SERVE else len(("vllm", "launch", "render"))
             flags = _local_kv(planned[prefix + 1:], kv_dir)
             argv = [sys.executable, "-m", MODULES[pool.launcher], "--model", planned[prefix], *flags]
-            procs.append(LocalProcess(f"{pool.role}-{replica}", str(pool.role), argv, port, _env(pool)))
+            procs.append(LocalProcess(f"{pool.role}-{replica}", str(pool.role), argv, port, _env(pool, flags)))
     return procs
 
 

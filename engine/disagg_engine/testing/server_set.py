@@ -28,12 +28,15 @@ RENDER = [sys.executable, "-m", "vllm.entrypoints.launchers.render.entry"]
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 FORCING = "disagg_engine.testing.forcing:ForcedOutput"
 MAX_MODEL_LEN = 8192
+# The tiny model needs 512 B of KV per token: 128 MiB holds 262k tokens (32 full-length requests).
+# vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, whole GiB) costs each engine ~0.5 GB more RSS, and the
+# suite runs up to nine engines at once on 24 GiB.
+KV_CACHE_BYTES = 128 * 1024 * 1024
 ROLES = ("render", "prefill", "decode", "coupled")
 ROLE_ENV = {"decode": {"VLLM_PLUGINS": "disagg"}, "prefill": {"VLLM_PLUGINS": "disagg"}}
 
 # What worked on 2-core CPU machines (cpu-engine-notes.md §2); offline so nothing is fetched.
 ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "HF_HUB_OFFLINE": "1",
@@ -57,7 +60,7 @@ def kv_config(shared_dir: Path, role: str) -> str:
 def role_argv(role: str, model: Path, port: int, kv_dir: Path, extra: list[str] | None = None) -> list[str]:
     common = ["--model", str(model), "--served-model-name", SERVED_NAME, "--port", str(port),
               "--host", "127.0.0.1", "--max-model-len", str(MAX_MODEL_LEN)]
-    engine = ["--enforce-eager", "--logits-processors", FORCING]
+    engine = ["--enforce-eager", "--logits-processors", FORCING, "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
     kv = ["--kv-transfer-config", kv_config(kv_dir, kv_role)]
     argv = {

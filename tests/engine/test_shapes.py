@@ -1,0 +1,65 @@
+"""``shapes.derender_stream_event``: the per-token header swap gives the same chunk as parsing,
+for chunks serialized by vLLM's own stream response model (no server needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaMessage,
+)
+from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+from disagg_engine.shapes import derender_stream_chunk, derender_stream_event
+
+RID = "generate-tokens-chatcmpl-0123456789abcdef"
+
+
+def _serialized(model: str, choices: list, **extra) -> str:
+    # As vLLM's chat stream generator writes every chunk.
+    chunk = ChatCompletionStreamResponse(id="chatcmpl-0123456789abcdef", created=1795965796, model=model,
+                                         choices=choices, **extra)
+    return chunk.model_dump_json(exclude_unset=True)
+
+
+CHUNKS = {
+    "role": _serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+        index=0, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)]),
+    "reasoning_with_ids": _serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+        index=1, delta=DeltaMessage(reasoning=" city"), logprobs=None, finish_reason=None, token_ids=[3283])]),
+    "tool_call_finish": _serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+        index=0, delta=DeltaMessage(tool_calls=[DeltaToolCall(index=0, id="chatcmpl-tool-0123456789abcdef", type="function",
+                                                              function=DeltaFunctionCall(name="get_weather", arguments='{"city": "東京"}'))]),
+        logprobs=None, finish_reason="tool_calls", stop_reason=None)]),
+    "usage_only": _serialized("tiny-qwen3", [], usage=UsageInfo(prompt_tokens=12, completion_tokens=3, total_tokens=15)),
+    "hostile_model_name": _serialized('m,"choices":[{"x"', [ChatCompletionResponseStreamChoice(
+        index=0, delta=DeltaMessage(content="hi"), logprobs=None, finish_reason=None)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKS))
+def test_header_swap_equals_parsing(name):
+    payload = CHUNKS[name]
+    fast = json.loads(derender_stream_event(payload, RID))
+    parsed = derender_stream_chunk(json.loads(payload), RID)
+    # Parsing fills every choice field and usage with null; the swap leaves unset ones out.
+    assert set(fast) - {"usage", "prompt_token_ids"} == {"request_id", "output_mode", "choices"}
+    assert fast["request_id"] == RID and fast["output_mode"] == "derender"
+    assert fast.get("usage") == parsed["usage"]
+    assert len(fast["choices"]) == len(parsed["choices"])
+    for got, want in zip(fast["choices"], parsed["choices"]):
+        assert {k: got.get(k) for k in want} == want
+
+
+def test_other_layouts_are_parsed_and_errors_pass_unchanged():
+    reordered = json.dumps({"choices": [{"index": 0, "delta": {"content": "a"}}], "id": "x", "model": "m"})
+    assert json.loads(derender_stream_event(reordered, RID)) == {
+        "request_id": RID, "usage": None, "output_mode": "derender",
+        "choices": [{"index": 0, "finish_reason": None, "stop_reason": None, "token_ids": None,
+                     "delta": {"content": "a"}, "logprobs": None}]}
+    error = json.dumps({"error": {"message": "boom", "type": "InternalServerError", "code": 500}})
+    assert derender_stream_event(error, RID) == error
