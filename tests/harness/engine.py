@@ -57,13 +57,11 @@ def _start_engine_set():
 
 
 def _start_spares():
-    from disagg_engine.servers import ServerSpec, free_port, start_all
-    from disagg_engine.testing.server_set import ENGINE_ENV, ROLE_ENV, role_argv
+    from disagg_engine.servers import start_all
+    from disagg_engine.testing.server_set import role_specs
 
     sset = _shared_set()  # same model and KV directory
-    specs = [ServerSpec(name=f"spare-{role}", port=port, argv=role_argv(role, sset.model_dir, port, sset.kv_dir),
-                        env={**ENGINE_ENV, **ROLE_ENV.get(role, {})})
-             for role in ("prefill", "decode") for port in [free_port()]]
+    specs = role_specs(("prefill", "decode"), sset.model_dir, sset.kv_dir, name_prefix="spare-")
     servers = start_all(specs, Path(tempfile.mkdtemp(prefix="disagg-spare-logs-")), timeout=900)
     return {s.spec.name.removeprefix("spare-"): s for s in servers}
 

@@ -90,17 +90,22 @@ class ServerSet:
                 "servers": {name: {"url": s.url, "pid": s.pid, "log": str(s.log_path)} for name, s in self.servers.items()}}
 
 
-def start_server_set(log_dir: Path, roles: tuple[str, ...] = ROLES, timeout: float = 900.0,
-                     env: dict[str, str] | None = None) -> ServerSet:
-    model = ensure_model()
-    kv_dir = Path(tempfile.mkdtemp(prefix="disagg-kv-"))
-    specs = [
-        ServerSpec(name=role, argv=role_argv(role, model, port, kv_dir), port=port,
+def role_specs(roles: tuple[str, ...], model: Path, kv_dir: Path, name_prefix: str = "",
+               env: dict[str, str] | None = None) -> list[ServerSpec]:
+    """One server per role on a free port, named ``<name_prefix><role>``."""
+    return [
+        ServerSpec(name=name_prefix + role, argv=role_argv(role, model, port, kv_dir), port=port,
                    env={**ENGINE_ENV, **ROLE_ENV.get(role, {}), **(env or {})})
         for role in roles
         for port in [free_port()]
     ]
-    servers = start_all(specs, log_dir, timeout=timeout)
+
+
+def start_server_set(log_dir: Path, roles: tuple[str, ...] = ROLES, timeout: float = 900.0,
+                     env: dict[str, str] | None = None) -> ServerSet:
+    model = ensure_model()
+    kv_dir = Path(tempfile.mkdtemp(prefix="disagg-kv-"))
+    servers = start_all(role_specs(roles, model, kv_dir, env=env), log_dir, timeout=timeout)
     return ServerSet({s.spec.name: s for s in servers}, model, kv_dir, log_dir)
 
 
