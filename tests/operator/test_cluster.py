@@ -9,6 +9,7 @@ import copy
 import json
 import re
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,14 @@ from tests.operator.builders import PARSER_FLAGS, TOKENIZER_FLAGS, flags
 pytestmark = pytest.mark.cluster
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b.yaml"
-KINDS = "serviceaccounts,roles,rolebindings,configmaps,services,deployments,horizontalpodautoscalers,poddisruptionbudgets"
+# The kinds the operator creates and their API collections: polls that count them run in-process (a
+# kubectl process per poll would compete with the operator being timed).
+COLLECTIONS = {"serviceaccounts": "api/v1", "configmaps": "api/v1", "services": "api/v1",
+               "roles": "apis/rbac.authorization.k8s.io/v1", "rolebindings": "apis/rbac.authorization.k8s.io/v1",
+               "deployments": "apis/apps/v1", "horizontalpodautoscalers": "apis/autoscaling/v2",
+               "poddisruptionbudgets": "apis/policy/v1"}
+KINDS = ",".join(COLLECTIONS)
+METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 READY_TIMEOUT = 240  # generous: kwok heartbeats lag on a loaded 2-core machine
 
 
@@ -280,19 +288,27 @@ FIFTY_GOAL_SECONDS = 30.0
 def test_fifty_models_at_once_are_fully_applied_within_the_bound(cluster: Cluster, operator: OperatorProcess, ns: str,
                                                                  record_property: Any) -> None:
     """Bound: 30 s, or — on a machine where the API server itself is slower than that — no more than
-    twice what `kubectl apply --server-side` needs to create the very same objects directly."""
+    twice what `kubectl apply --server-side` needs to create the very same objects directly (measured
+    only when the 30 s are exceeded)."""
     docs = [base(f"m{i:02d}") for i in range(50)]
     want = sum(len(build_objects(expected_plan(d, ns))) for d in docs)
 
+    selector = urllib.parse.quote(f"{names.MANAGED_BY}={names.OPERATOR}")
+
     def applied(namespace: str) -> bool:
-        items = get(cluster, namespace, KINDS, "-l", f"{names.MANAGED_BY}={names.OPERATOR}")["items"]
-        return len(items) >= want
+        return want <= sum(len(cluster.api("GET", f"/{group}/namespaces/{namespace}/{kind}?labelSelector={selector}",
+                                           accept=METADATA_ONLY)["items"] or []) for kind, group in COLLECTIONS.items())
 
     start = time.monotonic()
     apply(cluster, ns, *docs)
     cluster.wait_for(lambda: applied(ns), f"{want} children of 50 models", timeout=600, interval=0.5)
     elapsed = time.monotonic() - start
 
+    record_property("fifty_models_seconds", round(elapsed, 1))
+    if elapsed <= FIFTY_GOAL_SECONDS:
+        print(f"50 DisaggregatedModels ({want} objects) fully applied in {elapsed:.1f}s (goal {FIFTY_GOAL_SECONDS:.0f}s)")
+        return
+    # Over the goal: measured against what this API server needs for the same objects from kubectl.
     baseline_ns = cluster.create_namespace("fifty-baseline")
     try:
         objects = [o for d in docs for o in build_objects(expected_plan(d, baseline_ns))]
@@ -304,11 +320,10 @@ def test_fifty_models_at_once_are_fully_applied_within_the_bound(cluster: Cluste
     finally:
         cluster.kubectl("delete", "namespace", baseline_ns, "--wait=false", check=False)
 
-    bound = max(FIFTY_GOAL_SECONDS, 2 * baseline)
-    record_property("fifty_models_seconds", round(elapsed, 1))
+    bound = 2 * baseline
     record_property("fifty_models_kubectl_baseline_seconds", round(baseline, 1))
-    print(f"50 DisaggregatedModels ({want} objects) fully applied in {elapsed:.1f}s "
-          f"(kubectl --server-side, same objects: {baseline:.1f}s; bound {bound:.1f}s)")
+    print(f"50 DisaggregatedModels ({want} objects) fully applied in {elapsed:.1f}s, over the {FIFTY_GOAL_SECONDS:.0f}s "
+          f"goal (kubectl --server-side, same objects: {baseline:.1f}s; bound {bound:.1f}s)")
     assert elapsed <= bound
 
 
