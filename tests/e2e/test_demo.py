@@ -1,12 +1,11 @@
-"""`make demo`'s program (``python -m disagg_cli.demo``): a streamed answer, leg timings, nothing left behind."""
+"""`make demo`'s program (``python -m disagg_cli.demo``): a streamed answer, leg timings, nothing left behind.
+
+The harness starts the program in the background once memory allows (``demo_run`` in
+tests/harness/engine.py); this test waits for it and checks what it printed and left."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import pytest
 from disagg_cli import demo
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _processes_with(mark: str) -> list[int]:
@@ -31,14 +29,9 @@ def _processes_with(mark: str) -> list[int]:
     return found
 
 
-def test_demo_streams_an_answer_and_leaves_nothing_behind(tmp_path):
-    mark = f"DISAGG_DEMO_RUN={uuid.uuid4().hex}"
-    key, value = mark.split("=")
-    env = {**os.environ, key: value, "TMPDIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-m", "disagg_cli.demo"], capture_output=True, text=True, timeout=1500,
-                         cwd=ROOT, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    out = run.stdout
+def test_demo_streams_an_answer_and_leaves_nothing_behind(demo_run):
+    code, out, err = demo_run.wait(timeout=1500)
+    assert code == 0, out[-3000:] + err[-3000:]
     assert re.search(r"^endpoint: http://127\.0\.0\.1:\d+$", out, re.M)
     # The forced answer, as the qwen3 parser splits it into reasoning and content.
     reasoning, content = demo.ANSWER.split("</think>")
@@ -47,5 +40,5 @@ def test_demo_streams_an_answer_and_leaves_nothing_behind(tmp_path):
     for leg in ("render", "prefill", "decode"):
         assert re.search(rf"^  {leg} +\d+\.\d{{3}} s$", out, re.M), out
     assert re.search(r"^stopped 4 processes$", out, re.M)
-    assert _processes_with(mark) == []
-    assert not list(tmp_path.glob("disagg-demo-*")), "the demo's state directory was not removed"
+    assert _processes_with(demo_run.mark) == []
+    assert not list(demo_run.tmp.glob("disagg-demo-*")), "the demo's state directory was not removed"

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,12 +13,12 @@ import yaml
 from openai import OpenAI
 
 from disagg_engine.servers import pid_alive, port_in_use
+from tests.harness.engine import DISAGG
 from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "local-tiny.yaml"
-DISAGG = [sys.executable, "-m", "disagg_cli.main"]
 
 
 def _disagg(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
@@ -28,14 +26,9 @@ def _disagg(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory):
-    state = tmp_path_factory.mktemp("local-state")
-    up = _disagg("up", str(EXAMPLE), "--detach", "--state-dir", str(state), timeout=1200)
-    assert up.returncode == 0, up.stdout + up.stderr
-    endpoint = re.search(r"^endpoint: (http://127\.0\.0\.1:\d+)$", up.stdout, re.M).group(1)
-    yield {"endpoint": endpoint, "state": state}
-    if any(state.glob("*/state.json")):
-        _disagg("down", "--state-dir", str(state))
+def local(local_tiny):
+    """Started by the harness in the background (tests/harness/engine.py), stopped after this module."""
+    return {"endpoint": local_tiny.endpoint, "state": local_tiny.state}
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,27 @@ attached to its report. For quick iteration, ``DISAGG_ATTACH_SERVERS=<log dir>/s
 attaches to a set already started with ``python -m disagg_engine.testing.server_set``.
 
 vLLM start-up is the suite's largest cost, so the sets start in a background thread as soon as
-collection shows they are needed, and modules that need no engine run first (then engine
-modules, then e2e): start-up overlaps the control-plane and unit tests instead of adding to them.
-A set is stopped after the last test that uses it.
+collection shows they are needed, and modules that need no engine run first (then the modules
+using the spares, the other engine modules, then e2e): start-up overlaps the control-plane and unit
+tests instead of adding to them. A set is stopped after the last module that uses it. ``demo_run``
+(``make demo``'s program) and then ``local_tiny`` (``disagg up examples/local-tiny.yaml``) each
+start three vLLM servers of their own; they start in the background, one after the other, as soon
+as the spares are stopped: the tests against one engine at a time leave a core idle, and 24 GiB
+hold the shared set plus one such deployment, not the spares as well.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,10 +37,12 @@ import pytest
 
 from tests.harness.forced import Forcer
 
+ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
-# Modules with a test using one of these fixtures, or marked e2e (local mode starts vLLM itself),
-# run after the others.
-_ENGINE_FIXTURES = ("engine_set", "spare_engines")
+# Fixtures started early in the background (in this order), and those started only once another
+# one's last user is done (memory).
+_EARLY_FIXTURES = ("engine_set", "spare_engines", "demo_run", "local_tiny")
+_AFTER = {"demo_run": "spare_engines", "local_tiny": "spare_engines"}
 
 
 @dataclass
@@ -66,19 +79,64 @@ def _start_spares():
     return {s.spec.name.removeprefix("spare-"): s for s in servers}
 
 
+@dataclass
+class DemoRun:
+    """``python -m disagg_cli.demo`` running in the background. Every process it starts inherits
+    ``mark`` (KEY=VALUE) in its environment; ``tmp`` is its TMPDIR."""
+    proc: subprocess.Popen
+    mark: str
+    tmp: Path
+    started: float
+
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        """Exit code, stdout and stderr, within ``timeout`` seconds of the start."""
+        self.proc.wait(timeout=max(1.0, self.started + timeout - time.monotonic()))
+        return self.proc.returncode, (self.tmp / "stdout").read_text(), (self.tmp / "stderr").read_text()
+
+    def stop(self) -> None:
+        """Interrupt first: the demo's own shutdown stops the servers it started (their own groups)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@dataclass
+class LocalDeployment:
+    """``disagg up examples/local-tiny.yaml --detach`` in a state directory of its own."""
+    endpoint: str
+    state: Path
+
+    def stop(self) -> None:
+        if any(self.state.glob("*/state.json")):  # not yet taken down by a test
+            subprocess.run([*DISAGG, "down", "--state-dir", str(self.state)], capture_output=True, timeout=120,
+                           cwd=ROOT)
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
 class _EarlyStarts:
-    """Server sets started one after another in one background thread. Each is stopped after its
-    last user (memory: 24 GiB hold the shared set plus the spares or a local-mode deployment, not
-    all three) and at the end of the session, also when its fixture never ran."""
+    """Server sets (and the demo) started one after another in one background thread. Each is
+    stopped after its last module (memory: 24 GiB hold the shared set plus the spares or plus a
+    demo/local-mode deployment, not all three) and at the end of the session, also when its fixture
+    never ran."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-start")
         self._futures: dict[str, Future] = {}
-        self.last_user: dict[str, str] = {}  # set name -> nodeid of the last test that uses it
+        self.last_user: dict[str, str] = {}  # set name -> nodeid of the last test of its last module
+        self.wanted: set[str] = set()  # what this session's tests use
 
     def submit(self, name: str) -> None:
         if name not in self._futures:
             self._futures[name] = self._pool.submit(_STARTERS[name])
+
+    @property
+    def submitted(self) -> set[str]:
+        return set(self._futures)
 
     def result(self, name: str):
         self.submit(name)  # not foreseen at collection (e.g. getfixturevalue): start now
@@ -88,8 +146,8 @@ class _EarlyStarts:
         future = self._futures.get(name)
         if future is not None and future.done() and future.exception() is None:
             started = future.result()
-            for server in (started.values() if isinstance(started, dict) else started.servers.values()):
-                server.stop()  # idempotent
+            for each in (started.values() if isinstance(started, dict) else [started]):
+                each.stop()  # idempotent
 
     def stop_all(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)  # a start in progress finishes, then is stopped
@@ -97,7 +155,32 @@ class _EarlyStarts:
             self.stop(name)
 
 
-_STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "spare_engines": _start_spares}
+def _start_demo() -> DemoRun:
+    tmp = Path(tempfile.mkdtemp(prefix="disagg-demo-test-"))
+    key, value = "DISAGG_DEMO_RUN", uuid.uuid4().hex
+    with open(tmp / "stdout", "w") as out, open(tmp / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "disagg_cli.demo"], stdout=out, stderr=err,
+                                stdin=subprocess.DEVNULL, cwd=ROOT,
+                                env={**os.environ, key: value, "TMPDIR": str(tmp)}, start_new_session=True)
+    return DemoRun(proc, f"{key}={value}", tmp, time.monotonic())
+
+
+DISAGG = [sys.executable, "-m", "disagg_cli.main"]
+
+
+def _start_local() -> LocalDeployment:
+    if "demo_run" in _early.submitted:  # memory: one such deployment beside the shared set
+        _early.result("demo_run").proc.wait()
+    state = Path(tempfile.mkdtemp(prefix="disagg-local-state-"))
+    up = subprocess.run([*DISAGG, "up", str(ROOT / "examples" / "local-tiny.yaml"), "--detach", "--state-dir",
+                         str(state)], capture_output=True, text=True, timeout=1200, cwd=ROOT, stdin=subprocess.DEVNULL)
+    if up.returncode != 0:
+        raise RuntimeError(f"disagg up exited {up.returncode}\n{up.stdout}\n{up.stderr}")
+    return LocalDeployment(re.search(r"^endpoint: (http://127\.0\.0\.1:\d+)$", up.stdout, re.M).group(1), state)
+
+
+_STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "spare_engines": _start_spares,
+                                  "demo_run": _start_demo, "local_tiny": _start_local}
 _early = _EarlyStarts()
 
 
@@ -106,18 +189,23 @@ def _uses(item: pytest.Item, name: str) -> bool:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules needing no engine first, then engine modules, then e2e (local mode starts its own
-    vLLM set); stable, so module and test order are kept within each group."""
+    """Modules needing no engine first, then those using the spares (their memory then goes to the
+    demo), the other engine modules, then e2e (local mode starts its own vLLM set); stable, so module
+    and test order are kept within each group."""
     def weight(item: pytest.Item) -> int:
-        return 2 if item.get_closest_marker("e2e") else 1 if any(_uses(item, f) for f in _ENGINE_FIXTURES) else 0
+        if item.get_closest_marker("e2e"):
+            return 3
+        return 1 if _uses(item, "spare_engines") else 2 if _uses(item, "engine_set") else 0
 
     module = lambda item: item.nodeid.split("::", 1)[0]
-    weights: dict[str, int] = {}
+    groups: dict[str, set[int]] = {}
     for item in items:
-        weights[module(item)] = max(weights.get(module(item), 0), weight(item))
+        groups.setdefault(module(item), set()).add(weight(item))
+    weights = {name: 3 if 3 in found else min((w for w in found if w), default=0) for name, found in groups.items()}
     items.sort(key=lambda item: weights[module(item)])
-    for name in _ENGINE_FIXTURES:
-        users = [item.nodeid for item in items if _uses(item, name)]
+    for name in _EARLY_FIXTURES:  # a set is stopped after the last module using it
+        modules = {module(item) for item in items if _uses(item, name)}
+        users = [item.nodeid for item in items if module(item) in modules]
         if users:
             _early.last_user[name] = users[-1]
 
@@ -125,13 +213,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
-    wanted = {f for item in session.items for f in item.fixturenames if f in _ENGINE_FIXTURES}
+    wanted = {f for item in session.items for f in item.fixturenames if f in _EARLY_FIXTURES}
     if "spare_engines" in wanted:
         wanted.add("engine_set")
     if os.environ.get("DISAGG_ATTACH_SERVERS"):
         wanted.discard("engine_set")
-    for name in _ENGINE_FIXTURES:  # the shared set first: most tests need it
-        if name in wanted:
+    _early.wanted = wanted
+    for name in _EARLY_FIXTURES:  # the shared set first: most tests need it
+        if name in wanted and _AFTER.get(name) not in wanted:
             _early.submit(name)
 
 
@@ -141,6 +230,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     for name, nodeid in _early.last_user.items():
         if item.nodeid == nodeid:
             _early.stop(name)
+            for later, after in _AFTER.items():
+                if after == name and later in _early.wanted:
+                    _early.submit(later)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -165,6 +257,18 @@ def engine_set() -> Iterator:
 def spare_engines(engine_set) -> dict:
     """A prefill and a decode server of their own (the shared set's model and KV directory), to kill."""
     return _early.result("spare_engines")
+
+
+@pytest.fixture(scope="session")
+def demo_run() -> DemoRun:
+    """``make demo``'s program, started in the background (see the module docstring)."""
+    return _early.result("demo_run")
+
+
+@pytest.fixture(scope="session")
+def local_tiny() -> LocalDeployment:
+    """``disagg up examples/local-tiny.yaml``, started in the background (see the module docstring)."""
+    return _early.result("local_tiny")
 
 
 @pytest.fixture(scope="session")
