@@ -71,16 +71,22 @@ class ManagedServer:
 
     def stop(self, grace: float = 15.0) -> None:
         """TERM the server's process group, then KILL it if it outlives ``grace`` seconds."""
-        if self.proc.poll() is not None:
-            return
-        _signal_group(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            _signal_group(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        # Children that ignored TERM (e.g. a vLLM engine core) go with the group.
-        _signal_group(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc, grace=grace)
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (started with ``start_new_session``), KILL
+    the group if ``proc`` outlives ``grace`` seconds; no-op once it has exited."""
+    if proc.poll() is not None:
+        return
+    _signal_group(proc.pid, sig)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    # Children that ignored the signal (e.g. a vLLM engine core) go with the group.
+    _signal_group(proc.pid, signal.SIGKILL)
 
 
 def _signal_group(pid: int, sig: int) -> None:

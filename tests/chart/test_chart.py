@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from disagg_engine.servers import stop_group
 from tests.harness.cluster import Cluster
 
 pytestmark = pytest.mark.cluster
@@ -499,14 +499,7 @@ class LocalOperator:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        stop_group(self.proc, grace=30)
 
 
 def test_operator_with_chart_identity_reconciles_example_to_ready(

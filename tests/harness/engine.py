@@ -95,13 +95,9 @@ class DemoRun:
 
     def stop(self) -> None:
         """Interrupt first: the demo's own shutdown stops the servers it started (their own groups)."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        from disagg_engine.servers import stop_group
+
+        stop_group(self.proc, signal.SIGINT, grace=60)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

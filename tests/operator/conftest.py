@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg_engine.servers import free_port
+from disagg_engine.servers import free_port, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml"
@@ -73,14 +72,8 @@ class OperatorProcess:
         return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if line[:1] not in ("#", ""))}
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            stop_group(self.proc, grace=30)
 
 
 @pytest.fixture(scope="session")
