@@ -28,7 +28,7 @@ RENDER = [sys.executable, "-m", "vllm.entrypoints.launchers.render.entry"]
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 FORCING = "disagg_engine.testing.forcing:ForcedOutput"
 MAX_MODEL_LEN = 8192
-# The tiny model needs 512 B of KV per token: 128 MiB holds 262k tokens (32 full-length requests).
+# The tiny model needs 1 KiB of KV per token: 128 MiB hold 131k tokens (16 full-length requests).
 # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, whole GiB) costs each engine ~0.5 GB more RSS, and the
 # suite runs up to nine engines at once on 24 GiB.
 KV_CACHE_BYTES = 128 * 1024 * 1024

@@ -35,17 +35,19 @@ FIRST_SPECIAL_ID = 151643
 # skip_special_tokens keeps them, which the qwen3 reasoning and hermes tool parsers rely on.
 NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
 
+# Every decode step multiplies by the tied 151,669-row LM head, the largest cost per token on 2-core
+# AVX2 CPUs: 32 fp32 columns take ~25% less time per token than 128 bf16 ones (no native bf16).
 RECIPE = {
     "vocab_size": FIRST_SPECIAL_ID + len(SPECIAL_TOKENS),  # 151669
-    "hidden_size": 128,
-    "intermediate_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
     "head_dim": 64,  # CPU attention rejects small heads (16 fails)
     "max_position_embeddings": 8192,
     "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
+    "torch_dtype": "float32",
     "seed": 1234,
 }
 EOS = "<|im_end|>"
@@ -151,7 +153,7 @@ def _write_model(out: Path) -> None:
         tie_word_embeddings=r["tie_word_embeddings"], bos_token_id=FIRST_SPECIAL_ID,
         eos_token_id=eos_id, pad_token_id=FIRST_SPECIAL_ID,
     )
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, r["torch_dtype"]))
     model.save_pretrained(str(out), safe_serialization=True)
     # Only the stop ids, no sampling defaults: requests decide their own sampling.
     GenerationConfig(eos_token_id=[eos_id, FIRST_SPECIAL_ID], pad_token_id=FIRST_SPECIAL_ID).save_pretrained(str(out))
