@@ -115,7 +115,7 @@ class LocalDeployment:
 
 
 class _EarlyStarts:
-    """Server sets (and the demo) started one after another in one background thread. Each is
+    """Server sets and deployments started one after another in one background thread. Each is
     stopped after its last module (memory: 24 GiB hold the shared set plus the spares or plus a
     demo/local-mode deployment, not all three) and at the end of the session, also when its fixture
     never ran."""
