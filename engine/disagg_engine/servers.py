@@ -20,6 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+# Environment that works for vLLM's CPU build on small machines (cpu-engine-notes.md §2), shared by
+# local mode and the test harness. VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's CPU platform from
+# replacing the uniproc executor with the mp one: the worker runs inside the engine-core process
+# (one process fewer per engine: ~0.9 GB and ~14 CPU-s of start-up less), fine with unpinned threads.
+CPU_ENGINE_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
 class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time; the message carries its log tail."""
 

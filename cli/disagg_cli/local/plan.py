@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from disagg_engine import servers
 from disagg_operator.engine_args import EXAMPLE, Launcher, flag_name
 from disagg_operator.plan import Plan, PoolPlan, Role
 from disagg_operator.sidecar_config import static_endpoints
@@ -25,20 +26,9 @@ MODULES = {
     Launcher.SERVE: "vllm.entrypoints.launchers.api_server.entry",
     Launcher.LAUNCH_RENDER: "vllm.entrypoints.launchers.render.entry",
 }
-# What worked for vLLM's CPU build on small machines (cpu-engine-notes.md §2). The user's own env
-# from the spec wins over these. VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the worker inside the engine
-# core (the uniproc executor vLLM's CPU platform otherwise replaces with mp): one process fewer per
-# engine (~0.9 GB), fine with unpinned threads.
+# The user's own env from the spec wins over these.
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # whole GiB; overrides --kv-cache-memory-bytes when set
-CPU_ENGINE_ENV = {
-    KV_SPACE_ENV: "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+CPU_ENGINE_ENV = {KV_SPACE_ENV: "1", **servers.CPU_ENGINE_ENV}
 
 
 @dataclass(frozen=True)

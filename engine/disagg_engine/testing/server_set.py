@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from disagg_engine.servers import ManagedServer, ServerSpec, free_port, start_all, stop_all
+from disagg_engine.servers import CPU_ENGINE_ENV, ManagedServer, ServerSpec, free_port, start_all, stop_all
 from disagg_engine.testing.tiny_model import SERVED_NAME, ensure_model
 
 SERVE = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
@@ -35,20 +35,8 @@ KV_CACHE_BYTES = 128 * 1024 * 1024
 ROLES = ("render", "prefill", "decode", "coupled")
 ROLE_ENV = {"decode": {"VLLM_PLUGINS": "disagg"}, "prefill": {"VLLM_PLUGINS": "disagg"}}
 
-# What worked on 2-core CPU machines (cpu-engine-notes.md §2); offline so nothing is fetched.
-# VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's CPU platform from forcing the mp executor: the
-# worker then runs inside the engine-core process (one process fewer per engine: ~0.9 GB and
-# ~14 CPU-s of start-up less). Safe because threads are not pinned (nobind, one OMP thread).
-ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+# Offline: nothing is fetched.
+ENGINE_ENV = {**CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def kv_config(shared_dir: Path, role: str) -> str:
