@@ -6,44 +6,52 @@ from __future__ import annotations
 import json
 
 import pytest
-from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall
-from vllm.entrypoints.openai.chat_completion.protocol import (
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
-    DeltaMessage,
-)
-from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
 from disagg_engine.shapes import derender_stream_chunk, derender_stream_event
 
 RID = "generate-tokens-chatcmpl-0123456789abcdef"
+NAMES = ["role", "reasoning_with_ids", "tool_call_finish", "usage_only", "hostile_model_name"]
 
 
-def _serialized(model: str, choices: list, **extra) -> str:
-    # As vLLM's chat stream generator writes every chunk.
-    chunk = ChatCompletionStreamResponse(id="chatcmpl-0123456789abcdef", created=1795965796, model=model,
-                                         choices=choices, **extra)
-    return chunk.model_dump_json(exclude_unset=True)
+@pytest.fixture(scope="module")
+def chunks() -> dict[str, str]:
+    # vLLM is imported here, not at collection: importing it takes ~11 s of the suite's serial start.
+    from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+        DeltaMessage,
+    )
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    def serialized(model: str, choices: list, **extra) -> str:
+        # As vLLM's chat stream generator writes every chunk.
+        chunk = ChatCompletionStreamResponse(id="chatcmpl-0123456789abcdef", created=1795965796, model=model,
+                                             choices=choices, **extra)
+        return chunk.model_dump_json(exclude_unset=True)
+
+    made = {
+        "role": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)]),
+        "reasoning_with_ids": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+            index=1, delta=DeltaMessage(reasoning=" city"), logprobs=None, finish_reason=None, token_ids=[3283])]),
+        "tool_call_finish": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(tool_calls=[DeltaToolCall(
+                index=0, id="chatcmpl-tool-0123456789abcdef", type="function",
+                function=DeltaFunctionCall(name="get_weather", arguments='{"city": "東京"}'))]),
+            logprobs=None, finish_reason="tool_calls", stop_reason=None)]),
+        "usage_only": serialized("tiny-qwen3", [], usage=UsageInfo(prompt_tokens=12, completion_tokens=3,
+                                                                    total_tokens=15)),
+        "hostile_model_name": serialized('m,"choices":[{"x"', [ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(content="hi"), logprobs=None, finish_reason=None)]),
+    }
+    assert list(made) == NAMES
+    return made
 
 
-CHUNKS = {
-    "role": _serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
-        index=0, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)]),
-    "reasoning_with_ids": _serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
-        index=1, delta=DeltaMessage(reasoning=" city"), logprobs=None, finish_reason=None, token_ids=[3283])]),
-    "tool_call_finish": _serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
-        index=0, delta=DeltaMessage(tool_calls=[DeltaToolCall(index=0, id="chatcmpl-tool-0123456789abcdef", type="function",
-                                                              function=DeltaFunctionCall(name="get_weather", arguments='{"city": "東京"}'))]),
-        logprobs=None, finish_reason="tool_calls", stop_reason=None)]),
-    "usage_only": _serialized("tiny-qwen3", [], usage=UsageInfo(prompt_tokens=12, completion_tokens=3, total_tokens=15)),
-    "hostile_model_name": _serialized('m,"choices":[{"x"', [ChatCompletionResponseStreamChoice(
-        index=0, delta=DeltaMessage(content="hi"), logprobs=None, finish_reason=None)]),
-}
-
-
-@pytest.mark.parametrize("name", list(CHUNKS))
-def test_header_swap_equals_parsing(name):
-    payload = CHUNKS[name]
+@pytest.mark.parametrize("name", NAMES)
+def test_header_swap_equals_parsing(chunks, name):
+    payload = chunks[name]
     fast = json.loads(derender_stream_event(payload, RID))
     parsed = derender_stream_chunk(json.loads(payload), RID)
     # Parsing fills every choice field and usage with null; the swap leaves unset ones out.

@@ -1,19 +1,19 @@
 """Session-scoped fixtures for the real vLLM CPU servers (started once, in parallel).
 
 ``engine_set`` starts render, tokens-only prefill, decode and the coupled reference (see
-``disagg_engine.testing.server_set``); ``spare_engines`` a prefill and a decode server of their
-own, for tests that kill servers. A failing test that used them gets the servers' log tails
+``disagg_engine.testing.server_set``). A failing test that used them gets the servers' log tails
 attached to its report. For quick iteration, ``DISAGG_ATTACH_SERVERS=<log dir>/servers.json``
 attaches to a set already started with ``python -m disagg_engine.testing.server_set``.
 
-vLLM start-up is the suite's largest cost, so the sets start in a background thread as soon as
-collection shows they are needed, and modules that need no engine run first (then the modules
-using the spares, the other engine modules, then e2e): start-up overlaps the control-plane and unit
-tests instead of adding to them. A set is stopped after the last module that uses it. ``demo_run``
-(``make demo``'s program) and then ``local_tiny`` (``disagg up examples/local-tiny.yaml``) each
-start three vLLM servers of their own; they start in the background, one after the other, as soon
-as the spares are stopped: the tests against one engine at a time leave a core idle, and 24 GiB
-hold the shared set plus one such deployment, not the spares as well.
+vLLM start-up is the suite's largest cost, so the set starts in a background thread as soon as
+collection shows it is needed, and modules that need no engine run first (then the engine modules,
+then e2e, then the modules that kill the shared set's engines, ``doomed_engines``): start-up
+overlaps the control-plane and unit tests instead of adding to them. ``demo_run`` (``make demo``'s
+program) and then ``local_tiny`` (``disagg up examples/local-tiny.yaml``) each start three vLLM
+servers of their own, in the same thread, once the first engine test runs: the control-plane tests
+keep both cores busy, the tests against one engine at a time leave one idle. 24 GiB hold the shared
+set plus one such deployment, so ``local_tiny`` starts when the demo has exited. Each is stopped
+after the last module that uses it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from tests.harness.forced import Forcer
 
 ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
-# Fixtures started early in the background (in this order), and those started only once another
-# one's last user is done (memory).
-_EARLY_FIXTURES = ("engine_set", "spare_engines", "demo_run", "local_tiny")
-_AFTER = {"demo_run": "spare_engines", "local_tiny": "spare_engines"}
+# Fixtures started early in the background (in this order), and those among them that start only
+# once the first engine test runs (see the module docstring).
+_EARLY_FIXTURES = ("engine_set", "demo_run", "local_tiny")
+_WITH_ENGINE_TESTS = ("demo_run", "local_tiny")
 
 
 @dataclass
@@ -67,16 +67,6 @@ def _start_engine_set():
     from disagg_engine.testing.server_set import start_server_set
 
     return start_server_set(Path(tempfile.mkdtemp(prefix="disagg-engine-logs-")))
-
-
-def _start_spares():
-    from disagg_engine.servers import start_all
-    from disagg_engine.testing.server_set import role_specs
-
-    sset = _shared_set()  # same model and KV directory
-    specs = role_specs(("prefill", "decode"), sset.model_dir, sset.kv_dir, name_prefix="spare-")
-    servers = start_all(specs, Path(tempfile.mkdtemp(prefix="disagg-spare-logs-")), timeout=900)
-    return {s.spec.name.removeprefix("spare-"): s for s in servers}
 
 
 @dataclass
@@ -116,9 +106,7 @@ class LocalDeployment:
 
 class _EarlyStarts:
     """Server sets and deployments started one after another in one background thread. Each is
-    stopped after its last module (memory: 24 GiB hold the shared set plus the spares or plus a
-    demo/local-mode deployment, not all three) and at the end of the session, also when its fixture
-    never ran."""
+    stopped after its last module and at the end of the session, also when its fixture never ran."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-start")
@@ -175,8 +163,8 @@ def _start_local() -> LocalDeployment:
     return LocalDeployment(re.search(r"^endpoint: (http://127\.0\.0\.1:\d+)$", up.stdout, re.M).group(1), state)
 
 
-_STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "spare_engines": _start_spares,
-                                  "demo_run": _start_demo, "local_tiny": _start_local}
+_STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo,
+                                  "local_tiny": _start_local}
 _early = _EarlyStarts()
 
 
@@ -185,19 +173,18 @@ def _uses(item: pytest.Item, name: str) -> bool:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules needing no engine first, then those using the spares (their memory then goes to the
-    demo), the other engine modules, then e2e (local mode starts its own vLLM set); stable, so module
-    and test order are kept within each group."""
+    """Modules needing no engine first, then the engine modules, e2e (local mode starts its own vLLM
+    set), and last the modules that kill the shared set's engines; stable, so module and test order
+    are kept within each group."""
     def weight(item: pytest.Item) -> int:
-        if item.get_closest_marker("e2e"):
+        if _uses(item, "doomed_engines"):
             return 3
-        return 1 if _uses(item, "spare_engines") else 2 if _uses(item, "engine_set") else 0
+        return 2 if item.get_closest_marker("e2e") else 1 if _uses(item, "engine_set") else 0
 
     module = lambda item: item.nodeid.split("::", 1)[0]
-    groups: dict[str, set[int]] = {}
+    weights: dict[str, int] = {}
     for item in items:
-        groups.setdefault(module(item), set()).add(weight(item))
-    weights = {name: 3 if 3 in found else min((w for w in found if w), default=0) for name, found in groups.items()}
+        weights[module(item)] = max(weights.get(module(item), 0), weight(item))
     items.sort(key=lambda item: weights[module(item)])
     for name in _EARLY_FIXTURES:  # a set is stopped after the last module using it
         modules = {module(item) for item in items if _uses(item, name)}
@@ -210,14 +197,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     wanted = {f for item in session.items for f in item.fixturenames if f in _EARLY_FIXTURES}
-    if "spare_engines" in wanted:
-        wanted.add("engine_set")
     if os.environ.get("DISAGG_ATTACH_SERVERS"):
         wanted.discard("engine_set")
     _early.wanted = wanted
     for name in _EARLY_FIXTURES:  # the shared set first: most tests need it
-        if name in wanted and _AFTER.get(name) not in wanted:
+        if name in wanted and name not in _WITH_ENGINE_TESTS:
             _early.submit(name)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _uses(item, "engine_set"):
+        for name in _WITH_ENGINE_TESTS:
+            if name in _early.wanted:
+                _early.submit(name)  # idempotent
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -226,9 +218,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     for name, nodeid in _early.last_user.items():
         if item.nodeid == nodeid:
             _early.stop(name)
-            for later, after in _AFTER.items():
-                if after == name and later in _early.wanted:
-                    _early.submit(later)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -250,9 +239,10 @@ def engine_set() -> Iterator:
 
 
 @pytest.fixture(scope="session")
-def spare_engines(engine_set) -> dict:
-    """A prefill and a decode server of their own (the shared set's model and KV directory), to kill."""
-    return _early.result("spare_engines")
+def doomed_engines(engine_set) -> dict:
+    """The shared set's prefill and decode servers, for tests that kill them: modules using this
+    run last (see pytest_collection_modifyitems), when no other test needs those servers."""
+    return {role: engine_set.servers[role] for role in ("prefill", "decode")}
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import requests
@@ -207,3 +208,19 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+def host_port(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}"
+
+
+def chat(url: str, body: dict, **kw) -> requests.Response:
+    return requests.post(url + "/v1/chat/completions", json=body, timeout=120, **kw)
+
+
+def long_body(forcer, tokens: int, stream: bool = True, **extra) -> dict:
+    """A forced plain answer of exactly ``tokens`` tokens (EOS included)."""
+    text = "word" + " word" * (tokens - 2)  # one token per word, plus EOS
+    assert len(forcer.ids(text)) == tokens
+    return forcer.chat_body("plain", stream=stream, vllm_xargs=forcer.xargs(text), max_tokens=tokens + 8, **extra)

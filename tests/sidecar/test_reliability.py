@@ -1,10 +1,8 @@
-"""Failures and slow tiers with real processes: a killed prefill server (retry, fallback, fail),
-a decode engine that dies mid-stream or answers 5xx, legs slower than their timeouts, a derender
-endpoint that goes away mid-stream, client disconnects (the engine stops generating), chunk
-coalescing with a slow derender tier, and SIGTERM draining of ``disagg sidecar --config FILE``
-(streams finish; past the deadline they are cut).
-
-Killed servers are the harness's spares (``spare_engines``), never the shared set.
+"""Failures and slow tiers with real processes: a decode engine that answers 5xx or stalls, legs
+slower than their timeouts, a derender endpoint that goes away mid-stream, client disconnects (the
+engine stops generating), chunk coalescing with a slow derender tier, and SIGTERM draining of
+``disagg sidecar --config FILE`` (streams finish; past the deadline they are cut). Killed engines:
+test_killed_engines.py.
 """
 
 from __future__ import annotations
@@ -21,20 +19,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 import requests
 import yaml
 from aiohttp import web
 
-from disagg_engine.servers import ManagedServer, free_port
+from disagg_engine.servers import free_port
 from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
 from tests.sidecar.conftest import TOKENS_ONLY
 from tests.sidecar.support import (
     LoopThread,
     RecordingProxy,
+    chat,
     engine_metric,
+    host_port,
+    long_body,
     recording_proxy,
     run_sidecar,
     sidecar_config,
@@ -46,98 +46,17 @@ RUNNING = "vllm:num_requests_running"
 GENERATE = "/inference/v1/generate"
 
 
-def kill(server: ManagedServer) -> None:
-    os.killpg(server.pid, signal.SIGKILL)
-    server.proc.wait(30)
-
-
-def host_port(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.hostname}:{parts.port}"
-
-
-def chat(url: str, body: dict, **kw) -> requests.Response:
-    return requests.post(url + "/v1/chat/completions", json=body, timeout=120, **kw)
-
-
-def long_body(forcer, tokens: int, stream: bool = True, **extra) -> dict:
-    text = "word" + " word" * (tokens - 2)  # one token per word, plus EOS
-    assert len(forcer.ids(text)) == tokens
-    return forcer.chat_body("plain", stream=stream, vllm_xargs=forcer.xargs(text), max_tokens=tokens + 8, **extra)
-
-
-# -- prefill failures ----------------------------------------------------------------------------
-
-def test_prefill_server_killed(engine_set, forcer, spare_engines) -> None:
-    own = spare_engines["prefill"].url
-    shared = engine_set.url("prefill")
-    fast = {"health_interval_seconds": 0.2}
-    fallback = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [own]}}, limits=fast)
-    fail = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [own]},
-                                               "failure_policy": "fail"}, limits=fast)
-    retry = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [own, shared]}}, limits=fast)
-    body = forcer.chat_body("reasoning_tool_call")
-    want = chat_view(chat(engine_set.url("coupled"), body).json())
-    with run_sidecar(fallback) as a, run_sidecar(fail) as b, run_sidecar(retry) as c:
-        for sidecar in (a, b, c):
-            resp = chat(sidecar.url, body)
-            assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote"
-        kill(spare_engines["prefill"])
-
-        # fallback: decode prefills the prompt itself; same answer, and the client is told.
-        resp = chat(a.url, body)
-        assert resp.status_code == 200, resp.text
-        assert resp.headers["x-disagg-prefill"] == "fallback"
-        assert chat_view(resp.json()) == want
-        streamed = chat(a.url, forcer.chat_body("reasoning_tool_call", stream=True), stream=True)
-        assert streamed.headers["x-disagg-prefill"] == "fallback"
-        assert list(sse_events(streamed.iter_lines()))[-1] == "[DONE]"
-        assert a.metric("disagg_sidecar_prefill_total", outcome="fallback") == 2
-        assert a.metric("disagg_sidecar_leg_errors_total", leg="prefill", kind="connect") >= 2
-        assert wait_for(lambda: "prefill unreachable" in requests.get(a.url + "/health", timeout=5).json()
-                        .get("reasons", []), timeout=10)
-
-        # fail: an OpenAI-shaped 503, no decode leg.
-        resp = chat(b.url, body)
-        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
-        assert resp.headers["x-disagg-prefill"] == "failed"
-        assert resp.json()["error"]["type"] == "ServiceUnavailableError"
-        assert b.metric("disagg_sidecar_decode_output_mode_total", mode="derender") == 1  # only the first request
-
-        # retry: the header names the dead endpoint, the leg is retried on the live one.
-        resp = chat(c.url, body, headers={"x-prefiller-host-port": host_port(own)})
-        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote"
-        assert chat_view(resp.json()) == want
-        assert c.metric("disagg_sidecar_leg_retries_total", leg="prefill") == 1
-
-
-# -- decode failures -----------------------------------------------------------------------------
-
-def test_decode_engine_dies_mid_stream(engine_set, forcer, spare_engines) -> None:
-    decode = spare_engines["decode"]
-    config = sidecar_config(engine_set, decode={"url": decode.url})
-    with run_sidecar(config) as sidecar:
-        resp = chat(sidecar.url, long_body(forcer, 2000), stream=True)
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        first = [e for e in sse_events(next(lines) for _ in range(6))]
-        assert first and first[0]["choices"][0]["delta"]["role"] == "assistant"
-        kill(decode)
-        rest = list(sse_events(lines))
-        assert rest[-1] == "[DONE]", "the stream is terminated properly"
-        error = rest[-2]["error"]
-        assert error["code"] == 502 and "decode" in error["message"]
-
-
 # -- derender failures ---------------------------------------------------------------------------
 
 def test_derender_endpoint_lost_mid_stream_is_retried_elsewhere(engine_set, forcer) -> None:
     body = long_body(forcer, 120)
     want = chat_stream_view(list(sse_events(chat(engine_set.url("coupled"), body, stream=True).iter_lines())))
     with recording_proxy(engine_set.url("render"), delay=0.02) as flaky:
+        # No coalescing: one event per token, so the stream is surely still running at the 5th
+        # (coalesced under load, 120 tokens can arrive in fewer events).
         config = sidecar_config(engine_set, decode={"capabilities": TOKENS_ONLY},
                                 derender={"urls": [flaky.url, engine_set.url("render")]},
-                                limits={"health_interval_seconds": 60})
+                                limits={"health_interval_seconds": 60, "coalesce": False})
         with run_sidecar(config) as sidecar:
             resp = chat(sidecar.url, body, stream=True)
             events = []
