@@ -12,6 +12,7 @@ import requests
 
 from tests.harness.forced import MULTIBYTE, OUTPUTS
 from tests.harness.openai_views import chat_stream_view, chat_view, tool_call_ids
+from tests.harness.overlap import in_background
 from tests.harness.pipeline import ManualPipeline, coupled_chat
 
 pytestmark = [pytest.mark.engine, pytest.mark.parity]
@@ -43,8 +44,9 @@ def test_forced_tool_call_is_parsed_by_the_coupled_server(engine_set, forcer):
 @pytest.mark.parametrize("name", NAMES)
 def test_batch_disaggregated_path_equals_coupled(engine_set, forcer, name):
     body = forcer.chat_body(name)
-    coupled = coupled_chat(engine_set, body)
+    reference = in_background(lambda: coupled_chat(engine_set, body))
     disagg = ManualPipeline(engine_set).chat(body)
+    coupled = reference.result()
     assert chat_view(disagg) == chat_view(coupled)
     for call_id in tool_call_ids(coupled) + tool_call_ids(disagg):
         assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16,}", call_id)
@@ -53,8 +55,9 @@ def test_batch_disaggregated_path_equals_coupled(engine_set, forcer, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_streamed_disaggregated_path_equals_coupled(engine_set, forcer, name):
     body = forcer.chat_body(name, stream=True)
-    want = chat_stream_view(coupled_chat(engine_set, body))
+    reference = in_background(lambda: chat_stream_view(coupled_chat(engine_set, body)))
     got = chat_stream_view(ManualPipeline(engine_set).chat(body))
+    want = reference.result()
     assert got == want
     assert want["done"] and want["choices"][0]["finish_reason"]
 

@@ -18,6 +18,7 @@ from tests.harness.openai_views import (
     completion_view,
     sse_events,
 )
+from tests.harness.overlap import in_background
 
 pytestmark = [pytest.mark.engine, pytest.mark.parity]
 TIMEOUT = 120
@@ -69,7 +70,7 @@ def _logprob_view(resp: dict) -> dict:
 @pytest.mark.parametrize("name", list(CASES))
 def test_batch_derender_equals_coupled_and_chained(engine_set, forcer, name, n):
     chat = _chat(forcer, name, stream=False, n=n)
-    coupled = _post(engine_set.url("coupled") + "/v1/chat/completions", chat).json()
+    reference = in_background(lambda: _post(engine_set.url("coupled") + "/v1/chat/completions", chat).json())
     gen = _post(engine_set.url("render") + "/v1/chat/completions/render", chat).json()
     inline = _post(engine_set.url("decode") + "/inference/v1/generate",
                    {**gen, "output_mode": "derender", "chat_request": chat}).json()
@@ -78,6 +79,7 @@ def test_batch_derender_equals_coupled_and_chained(engine_set, forcer, name, n):
     chained = _post(engine_set.url("render") + "/v1/chat/completions/derender",
                     {"generate_response": generate_for_derender(tokens), "prompt_tokens": len(gen["token_ids"]),
                      "prompt_token_ids": gen["token_ids"], "chat_request": chat}).json()
+    coupled = reference.result()
     assert chat_view(inline) == chat_view(coupled)
     chained_view = chat_view(normalise_chat_response(chained, tokens["usage"], chat.get("tool_choice")))
     if name == "stop_string":
@@ -96,12 +98,14 @@ def test_batch_derender_equals_coupled_and_chained(engine_set, forcer, name, n):
 @pytest.mark.parametrize("name", list(CASES))
 def test_streamed_derender_equals_coupled_and_chained(engine_set, forcer, name, n):
     chat = _chat(forcer, name, stream=True, n=n)
-    coupled = _events(_post(engine_set.url("coupled") + "/v1/chat/completions", chat, stream=True))
+    reference = in_background(lambda: _events(_post(engine_set.url("coupled") + "/v1/chat/completions", chat,
+                                                     stream=True)))
     gen = _post(engine_set.url("render") + "/v1/chat/completions/render", chat).json()
     inline = _events(_post(engine_set.url("decode") + "/inference/v1/generate",
                            {**gen, "output_mode": "derender", "chat_request": chat}, stream=True))
     assert inline[-1] == "[DONE]"
     assert all(e["output_mode"] == "derender" for e in inline if e != "[DONE]")
+    coupled = reference.result()
     assert chat_stream_view(inline) == chat_stream_view(coupled)
     # Every choice gets the role on its first chunk and tool-call ids stay stable across chunks.
     first_delta = {}
@@ -225,8 +229,10 @@ def test_text_mode_equals_coupled_completions(engine_set, forcer, name, n, strea
     url = engine_set.url("decode") + "/inference/v1/generate"
     view = completion_stream_view if stream else completion_view
     answer = _events if stream else (lambda resp: resp.json())
-    coupled = answer(_post(engine_set.url("coupled") + "/v1/completions", body, stream=stream))
+    reference = in_background(lambda: answer(_post(engine_set.url("coupled") + "/v1/completions", body,
+                                                   stream=stream)))
     inline = answer(_post(url, {**gen, "output_mode": "text"}, stream=stream))
+    coupled = reference.result()
     assert all(e["output_mode"] == "text" for e in (inline if stream else [inline]) if e != "[DONE]")
     got = view(inline)
     assert got == view(coupled)

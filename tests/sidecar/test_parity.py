@@ -19,6 +19,7 @@ from tests.harness.openai_views import (
     completion_view,
     sse_events,
 )
+from tests.harness.overlap import in_background
 from tests.sidecar.support import SERVED, RunningSidecar, run_sidecar, sidecar_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.parity]
@@ -116,9 +117,10 @@ def path_name(request, path_sidecar) -> str:
 def test_chat_parity(engine_set, forcer, path_sidecar, path_name: str, name: str, stream: bool, n: int) -> None:
     body = forcer.chat_body(name, stream=stream, n=n)
     request_id = f"parity-{name}-{int(stream)}-{n}"
-    want = sdk_chat(engine_set.url("coupled"), body, request_id)
+    reference = in_background(lambda: sdk_chat(engine_set.url("coupled"), body, request_id))
     before = path_counters(path_sidecar)
     got = sdk_chat(path_sidecar.url, body, request_id)
+    want = reference.result()
     check_path_taken(before, path_counters(path_sidecar), path_name, "derender", stream)
     if stream:
         assert chat_stream_view(got) == chat_stream_view(want)
@@ -150,9 +152,10 @@ def completion_body(forcer, name: str, stream: bool, n: int, prompt: Any = None)
 def test_completions_parity(engine_set, forcer, path_sidecar, path_name: str, name: str, stream: bool,
                             n: int) -> None:
     body = completion_body(forcer, name, stream, n)
-    want = sdk_completion(engine_set.url("coupled"), body)
+    reference = in_background(lambda: sdk_completion(engine_set.url("coupled"), body))
     before = path_counters(path_sidecar)
     got = sdk_completion(path_sidecar.url, body)
+    want = reference.result()
     check_path_taken(before, path_counters(path_sidecar), path_name, "text", stream)
     if stream:
         assert completion_stream_view(got) == completion_stream_view(want)
@@ -167,8 +170,9 @@ def test_completions_parity(engine_set, forcer, path_sidecar, path_name: str, na
 def test_completions_with_two_prompts(engine_set, forcer, path_sidecar, stream: bool) -> None:
     # One render answer per prompt, one prefill and decode leg each; choices indexed prompt * n + i.
     body = completion_body(forcer, "plain", stream, 2, prompt=["First prompt here:", "A second prompt:"])
-    want = sdk_completion(engine_set.url("coupled"), body)
+    reference = in_background(lambda: sdk_completion(engine_set.url("coupled"), body))
     got = sdk_completion(path_sidecar.url, body)
+    want = reference.result()
     view = completion_stream_view if stream else completion_view
     assert view(got) == view(want)
     assert sorted(view(got)["choices"]) == [0, 1, 2, 3]
@@ -177,9 +181,11 @@ def test_completions_with_two_prompts(engine_set, forcer, path_sidecar, stream: 
 def test_completions_logprobs_go_through_the_derender_tier(engine_set, forcer, inline_sidecar) -> None:
     # Completions logprobs only have their shape on /v1/completions/derender: chained even inline.
     body = {**completion_body(forcer, "plain", False, 1), "logprobs": 2}
-    want = requests.post(engine_set.url("coupled") + "/v1/completions", json=body, timeout=60).json()
+    reference = in_background(lambda: requests.post(engine_set.url("coupled") + "/v1/completions", json=body,
+                                                   timeout=60).json())
     before = inline_sidecar.metric("disagg_sidecar_derender_calls_total", kind="batch")
     got = requests.post(inline_sidecar.url + "/v1/completions", json=body, timeout=60).json()
+    want = reference.result()
     assert completion_view(got) == completion_view(want)
     lp, want_lp = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
     for key in ("tokens", "token_logprobs", "text_offset"):
@@ -195,7 +201,7 @@ def test_completions_logprobs_go_through_the_derender_tier(engine_set, forcer, i
 def test_stock_decode_engine_is_chained(engine_set, forcer, stock_sidecar, stream: bool) -> None:
     """A decode engine without the extension: the sidecar sees no capabilities and chains."""
     body = forcer.chat_body("reasoning_tool_call", stream=stream, n=2)
-    want = sdk_chat(engine_set.url("coupled"), body)
+    want = sdk_chat(engine_set.url("coupled"), body)  # decode is the coupled engine: not overlapped
     before = stock_sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream" if stream else "batch")
     got = sdk_chat(stock_sidecar.url, body)
     view = chat_stream_view if stream else chat_view
@@ -220,7 +226,7 @@ def test_engine_rejecting_derender_falls_back_to_chaining(engine_set, forcer, st
     400; the sidecar chains instead, counts it, and the client sees no difference."""
     config = sidecar_config(engine_set, decode={"url": engine_set.url("coupled"), "probe_capabilities": False})
     body = forcer.chat_body("reasoning_tool_call", stream=stream)
-    want = sdk_chat(engine_set.url("coupled"), body)
+    want = sdk_chat(engine_set.url("coupled"), body)  # decode is the coupled engine: not overlapped
     with run_sidecar(config) as sidecar:
         got = sdk_chat(sidecar.url, body)
         assert sidecar.metric("disagg_sidecar_output_mode_fallbacks_total", requested="derender") == 1

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from disagg_engine.servers import free_port
 from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
+from tests.harness.overlap import in_background
 from tests.sidecar.conftest import TOKENS_ONLY
 from tests.sidecar.support import (
     LoopThread,
@@ -260,8 +261,8 @@ def test_slow_derender_tier_gets_coalesced_chunks(engine_set, forcer) -> None:
     ids = forcer.ids(text)
     body["vllm_xargs"] = {"forced_token_ids": ids[:511] + ids[-1:]}  # 512 tokens per choice
     body["max_tokens"] = 600
-    want = chat_stream_view(list(sse_events(chat(engine_set.url("coupled"), body, stream=True).iter_lines())))
-    assert want["usage"]["completion_tokens"] == 2 * 512
+    reference = in_background(
+        lambda: chat_stream_view(list(sse_events(chat(engine_set.url("coupled"), body, stream=True).iter_lines()))))
     with recording_proxy(engine_set.url("render"), delay=delay) as slow:
         config = sidecar_config(engine_set, decode={"capabilities": TOKENS_ONLY}, derender={"url": slow.url})
         with run_sidecar(config) as sidecar:
@@ -270,6 +271,8 @@ def test_slow_derender_tier_gets_coalesced_chunks(engine_set, forcer) -> None:
             elapsed = time.monotonic() - started
             calls = slow.count("/v1/chat/completions/derender")
             coalesced = sidecar.metric("disagg_sidecar_coalesced_chunks_total")
+    want = reference.result()
+    assert want["usage"]["completion_tokens"] == 2 * 512
     assert chat_stream_view(got) == want, "coalescing changes nothing the client sees"
     per_choice = (calls - 1) / 2  # the usage chunk is one call of its own
     assert per_choice < 512 / 4, calls
