@@ -10,10 +10,10 @@ collection shows it is needed, and modules that need no engine run first (then t
 then e2e, then the modules that kill the shared set's engines, ``doomed_engines``): start-up
 overlaps the control-plane and unit tests instead of adding to them. ``demo_run`` (``make demo``'s
 program) and then ``local_tiny`` (``disagg up examples/local-tiny.yaml``) each start three vLLM
-servers of their own, in the same thread right after the shared set: the control-plane tests leave
-part of the two cores idle once that set is up. 24 GiB hold the shared set plus one such
-deployment, so ``local_tiny`` starts when the demo has exited. Each is stopped after the last
-module that uses it.
+servers of their own, in the same thread, once the first engine test runs: started beside the
+control-plane tests, they slowed the operator tests more than they gained (the fifty-model test
+missed its bound). 24 GiB hold the shared set plus one such deployment, so ``local_tiny`` starts
+when the demo has exited. Each is stopped after the last module that uses it.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ from tests.harness.forced import Forcer
 
 ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
-# Fixtures started early in the background, in this order (see the module docstring).
+# Fixtures started early in the background (in this order), and those among them that start only
+# once the first engine test runs (see the module docstring).
 _EARLY_FIXTURES = ("engine_set", "demo_run", "local_tiny")
+_WITH_ENGINE_TESTS = ("demo_run", "local_tiny")
 
 
 @dataclass
@@ -110,6 +112,7 @@ class _EarlyStarts:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-start")
         self._futures: dict[str, Future] = {}
         self.last_user: dict[str, str] = {}  # set name -> nodeid of the last test of its last module
+        self.wanted: set[str] = set()  # what this session's tests use
 
     def submit(self, name: str) -> None:
         if name not in self._futures:
@@ -194,9 +197,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     wanted = {f for item in session.items for f in item.fixturenames if f in _EARLY_FIXTURES}
     if os.environ.get("DISAGG_ATTACH_SERVERS"):
         wanted.discard("engine_set")
+    _early.wanted = wanted
     for name in _EARLY_FIXTURES:  # the shared set first: most tests need it
-        if name in wanted:
+        if name in wanted and name not in _WITH_ENGINE_TESTS:
             _early.submit(name)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _uses(item, "engine_set"):
+        for name in _WITH_ENGINE_TESTS:
+            if name in _early.wanted:
+                _early.submit(name)  # idempotent
 
 
 @pytest.hookimpl(hookwrapper=True)
