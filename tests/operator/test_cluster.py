@@ -285,7 +285,6 @@ def test_an_operator_restart_writes_nothing(cluster: Cluster, crd_installed: Pat
 FIFTY_GOAL_SECONDS = 30.0
 
 
-@pytest.mark.quiet
 def test_fifty_models_at_once_are_fully_applied_within_the_bound(cluster: Cluster, operator: OperatorProcess, ns: str,
                                                                  record_property: Any) -> None:
     """Bound: 30 s, or — on a machine where the API server itself is slower than that — no more than
