@@ -33,6 +33,7 @@ CPU_ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+
 class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time; the message carries its log tail."""
 

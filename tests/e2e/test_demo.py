@@ -1,6 +1,6 @@
 """`make demo`'s program (``python -m disagg_cli.demo``): a streamed answer, leg timings, nothing left behind.
 
-The harness starts the program in the background once memory allows (``demo_run`` in
+The harness starts the program in the background when the first engine test runs (``demo_run`` in
 tests/harness/engine.py); this test waits for it and checks what it printed and left."""
 
 from __future__ import annotations
