@@ -6,11 +6,13 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: help setup engine-setup model k8s-bins cluster-up cluster-down test test-unit demo crds clean
 
 help:
 	@echo "make demo          run a DisaggregatedModel locally and stream one chat answer"
+	@echo "                   (DEMO_ARGS=--keep leaves it running: disagg status / disagg down)"
 	@echo "make test          set up what is missing, run the whole suite"
 	@echo "make setup         venv + project + CPU vLLM + tiny test model (idempotent)"
 	@echo "make cluster-up    start the local Kubernetes control plane (.cluster/kubeconfig)"
@@ -35,7 +37,7 @@ test-unit: setup
 	$(BIN)/python -m pytest -m "not engine and not cluster and not e2e" $(PYTEST_ARGS)
 
 demo: setup
-	$(BIN)/python -m disagg_cli.demo
+	$(BIN)/python -m disagg_cli.demo $(DEMO_ARGS)
 
 # crds/kopf.dev_*.yaml (kopf's peering CRDs, for replicas > 1) are kept by hand; all are copied.
 crds: setup

@@ -1,4 +1,4 @@
-"""``make demo``: ``disagg up examples/local-tiny.yaml``, one streamed chat answer, shut down.
+"""``make demo``: ``disagg up examples/local-tiny.yaml``, one streamed chat answer, ``disagg down``.
 
 Everything runs on this machine's CPU: render/derender, a tokens-only prefill engine, a decode
 engine with Disagg's engine extension and the sidecar in front, started from the same plan the
@@ -6,10 +6,14 @@ operator builds. The request goes through the sidecar with the official ``openai
 model has random weights, so the answer is chosen token by token with the test logits processor
 (``vllm_xargs.forced_token_ids``); chat template, tokenization, KV hand-off, detokenization and the
 reasoning parser are the real ones. Per-leg timings come from the sidecar's own metrics.
+
+``--keep`` skips the ``disagg down`` and leaves the deployment running for more requests (``make demo
+DEMO_ARGS=--keep``); the test suite uses it to run its local-mode tests on the demo's deployment.
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import tempfile
@@ -17,8 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from disagg_cli.local import runner
-from disagg_engine.servers import stop_all
+from disagg_cli.local import commands, runner
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-tiny.yaml"
 QUESTION = "What does disaggregated serving split, in one sentence?"
@@ -82,27 +85,33 @@ def chat(endpoint: str, forced: list[int]) -> None:
         print(f"  {leg:22s} {seconds:8.3f} s")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     from disagg_engine.testing.tiny_model import ensure_model
 
+    ap = argparse.ArgumentParser(prog="python -m disagg_cli.demo", description="make demo's program")
+    ap.add_argument("--keep", action="store_true", help="leave the deployment running (no `disagg down`)")
+    ap.add_argument("--state-dir", type=Path, help="`disagg up --state-dir` (default: a temporary directory, "
+                                                   "removed at the end unless --keep)")
+    args = ap.parse_args(argv)
     forced = forced_ids(ensure_model(), ANSWER)
-    state = Path(tempfile.mkdtemp(prefix="disagg-demo-"))
+    name = runner.load_spec(EXAMPLE).name
+    state = args.state_dir or Path(tempfile.mkdtemp(prefix="disagg-demo-"))
     print(f"disagg up {EXAMPLE.relative_to(Path.cwd()) if EXAMPLE.is_relative_to(Path.cwd()) else EXAMPLE}"
           f"  (vLLM on CPU: the first start takes a few minutes)", flush=True)
     try:
-        deployment, servers = runner.up(EXAMPLE, state_root=state)
-    except BaseException:
-        shutil.rmtree(state, ignore_errors=True)
-        raise
-    print(f"endpoint: {deployment.endpoint}", flush=True)
-    try:
-        chat(deployment.endpoint, forced)
-        return 0
+        # The CLI's own commands, so the demo runs exactly what a user types.
+        code = commands.up_main([str(EXAMPLE), "--detach", "--state-dir", str(state)])
+        if code == 0:
+            chat(runner.Deployment.load(state / name).endpoint, forced)
+        return code
     finally:
-        stopped = runner.down(Path(deployment.state_dir))
-        stop_all(servers)  # reaps our children
-        shutil.rmtree(state, ignore_errors=True)
-        print(f"stopped {len(stopped)} processes", flush=True)
+        up = (state / name / runner.STATE_FILE).exists()
+        if up and args.keep:
+            print(f"left running: disagg status --state-dir {state}; disagg down --state-dir {state}", flush=True)
+        elif up:
+            commands.down_main(["--state-dir", str(state), "--name", name])
+        if args.state_dir is None and not (up and args.keep):
+            shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":

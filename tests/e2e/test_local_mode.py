@@ -1,4 +1,7 @@
-"""Local mode end to end: ``disagg up examples/local-tiny.yaml`` driven with the official openai SDK."""
+"""Local mode end to end: ``disagg up examples/local-tiny.yaml`` driven with the official openai SDK.
+
+The deployment is the one ``make demo --keep`` left running (``local_tiny``, tests/harness/engine.py):
+the demo brings it up with ``disagg up --detach``, these tests use it and take it down."""
 
 from __future__ import annotations
 
@@ -26,21 +29,15 @@ def _disagg(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def local(local_tiny):
-    """Started by the harness in the background (tests/harness/engine.py), stopped after this module."""
-    return {"endpoint": local_tiny.endpoint, "state": local_tiny.state}
+def client(local_tiny) -> OpenAI:
+    return OpenAI(base_url=local_tiny.endpoint + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def client(local) -> OpenAI:
-    return OpenAI(base_url=local["endpoint"] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def test_status_lists_every_pool_healthy(local):
-    out = _disagg("status", "--json", "--state-dir", str(local["state"]))
+def test_status_lists_every_pool_healthy(local_tiny):
+    out = _disagg("status", "--json", "--state-dir", str(local_tiny.state))
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["endpoint"] == local["endpoint"]
+    assert report["endpoint"] == local_tiny.endpoint
     assert set(report["pools"]) == {"prefill", "decode", "render", "sidecar"}
     for members in report["pools"].values():
         for m in members:
@@ -101,11 +98,12 @@ def test_invalid_spec_is_rejected_with_the_crd_admission_message(cluster, tmp_pa
     assert message in local.stderr
 
 
-def test_down_leaves_no_process_and_no_port(local):
-    report = json.loads(_disagg("status", "--json", "--state-dir", str(local["state"])).stdout)
+def test_down_leaves_no_process_and_no_port(local_tiny, demo_run):
+    report = json.loads(_disagg("status", "--json", "--state-dir", str(local_tiny.state)).stdout)
     members = [m for ms in report["pools"].values() for m in ms]
-    down = _disagg("down", "--state-dir", str(local["state"]))
+    down = _disagg("down", "--state-dir", str(local_tiny.state))
     assert down.returncode == 0, down.stderr
+    assert down.stdout.startswith(f"stopped {len(members)} processes: "), down.stdout
     for m in members:
         assert not pid_alive(m["pid"]), m
     deadline = time.monotonic() + 10
@@ -113,4 +111,21 @@ def test_down_leaves_no_process_and_no_port(local):
     while any(port_in_use(p) for p in ports):
         assert time.monotonic() < deadline, "ports still in use"
         time.sleep(0.1)
-    assert not any(local["state"].glob("*/state.json"))
+    assert not any(local_tiny.state.glob("*/state.json"))
+    # Nothing the demo started survives, not even a process `disagg status` does not list (an
+    # engine core, a tokenizer worker): they all inherited the demo's environment mark.
+    assert [pid for pid in _processes_with(demo_run.mark) if pid_alive(pid)] == []
+
+
+def _processes_with(mark: str) -> list[int]:
+    """Pids whose environment carries ``mark`` (every descendant of the demo inherits it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if mark.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+    return found

@@ -9,11 +9,11 @@ vLLM start-up is the suite's largest cost, so the set starts in a background thr
 collection shows it is needed, and modules that need no engine run first (then the engine modules,
 then e2e, then the modules that kill the shared set's engines, ``doomed_engines``): start-up
 overlaps the control-plane and unit tests instead of adding to them. ``demo_run`` (``make demo``'s
-program) and then ``local_tiny`` (``disagg up examples/local-tiny.yaml``) each start three vLLM
-servers of their own, in the same thread, once the first engine test runs: started beside the
-control-plane tests, they slowed the operator tests more than they gained (the fifty-model test
-missed its bound). 24 GiB hold the shared set plus one such deployment, so ``local_tiny`` starts
-when the demo has exited. Each is stopped after the last module that uses it.
+program with ``--keep``: ``disagg up examples/local-tiny.yaml``, one chat, three vLLM servers of its
+own) starts in the same thread once the first engine test runs: started beside the control-plane
+tests, it slowed the operator tests more than it gained (the fifty-model test missed its bound).
+``local_tiny`` is the deployment the demo leaves running, for the local-mode tests; it is taken down
+(``disagg down``) after the last module that uses it.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
 # Fixtures started early in the background (in this order), and those among them that start only
 # once the first engine test runs (see the module docstring).
-_EARLY_FIXTURES = ("engine_set", "demo_run", "local_tiny")
-_WITH_ENGINE_TESTS = ("demo_run", "local_tiny")
+_EARLY_FIXTURES = ("engine_set", "demo_run")
+_WITH_ENGINE_TESTS = ("demo_run",)
 
 
 @dataclass
@@ -70,9 +70,22 @@ def _start_engine_set():
 
 
 @dataclass
+class LocalDeployment:
+    """A deployment ``disagg up`` left running, in the state directory ``state``."""
+    endpoint: str
+    state: Path
+
+    def down(self) -> None:
+        if any(self.state.glob("*/state.json")):  # not yet taken down by a test
+            subprocess.run([*DISAGG, "down", "--state-dir", str(self.state)], capture_output=True, timeout=120,
+                           cwd=ROOT)
+
+
+@dataclass
 class DemoRun:
-    """``python -m disagg_cli.demo`` running in the background. Every process it starts inherits
-    ``mark`` (KEY=VALUE) in its environment; ``tmp`` is its TMPDIR."""
+    """``python -m disagg_cli.demo --keep`` running in the background. Every process it starts
+    inherits ``mark`` (KEY=VALUE) in its environment; ``tmp`` is its TMPDIR, ``tmp/state`` the
+    state directory of the deployment it leaves running."""
     proc: subprocess.Popen
     mark: str
     tmp: Path
@@ -83,25 +96,21 @@ class DemoRun:
         self.proc.wait(timeout=max(1.0, self.started + timeout - time.monotonic()))
         return self.proc.returncode, (self.tmp / "stdout").read_text(), (self.tmp / "stderr").read_text()
 
+    def deployment(self) -> LocalDeployment:
+        code, out, err = self.wait(timeout=1500)
+        if code != 0:
+            raise RuntimeError(f"the demo exited {code}\n{out}\n{err}")
+        return LocalDeployment(re.search(r"^endpoint: (http://127\.0\.0\.1:\d+)$", out, re.M).group(1),
+                               self.tmp / "state")
+
     def stop(self) -> None:
-        """Interrupt first: the demo's own shutdown stops the servers it started (their own groups)."""
+        """Interrupt first: the demo's own shutdown stops the servers it started (their own groups);
+        then take down what it left running."""
         from disagg_engine.servers import stop_group
 
         stop_group(self.proc, signal.SIGINT, grace=60)
+        LocalDeployment("", self.tmp / "state").down()
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-@dataclass
-class LocalDeployment:
-    """``disagg up examples/local-tiny.yaml --detach`` in a state directory of its own."""
-    endpoint: str
-    state: Path
-
-    def stop(self) -> None:
-        if any(self.state.glob("*/state.json")):  # not yet taken down by a test
-            subprocess.run([*DISAGG, "down", "--state-dir", str(self.state)], capture_output=True, timeout=120,
-                           cwd=ROOT)
-        shutil.rmtree(self.state, ignore_errors=True)
 
 
 class _EarlyStarts:
@@ -137,32 +146,20 @@ class _EarlyStarts:
             self.stop(name)
 
 
+DISAGG = [sys.executable, "-m", "disagg_cli.main"]
+
+
 def _start_demo() -> DemoRun:
     tmp = Path(tempfile.mkdtemp(prefix="disagg-demo-test-"))
     key, value = "DISAGG_DEMO_RUN", uuid.uuid4().hex
     with open(tmp / "stdout", "w") as out, open(tmp / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "disagg_cli.demo"], stdout=out, stderr=err,
-                                stdin=subprocess.DEVNULL, cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "disagg_cli.demo", "--keep", "--state-dir", str(tmp / "state")],
+                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT,
                                 env={**os.environ, key: value, "TMPDIR": str(tmp)}, start_new_session=True)
     return DemoRun(proc, f"{key}={value}", tmp, time.monotonic())
 
 
-DISAGG = [sys.executable, "-m", "disagg_cli.main"]
-
-
-def _start_local() -> LocalDeployment:
-    if "demo_run" in _early.submitted:  # memory: one such deployment beside the shared set
-        _early.result("demo_run").proc.wait()
-    state = Path(tempfile.mkdtemp(prefix="disagg-local-state-"))
-    up = subprocess.run([*DISAGG, "up", str(ROOT / "examples" / "local-tiny.yaml"), "--detach", "--state-dir",
-                         str(state)], capture_output=True, text=True, timeout=1200, cwd=ROOT, stdin=subprocess.DEVNULL)
-    if up.returncode != 0:
-        raise RuntimeError(f"disagg up exited {up.returncode}\n{up.stdout}\n{up.stderr}")
-    return LocalDeployment(re.search(r"^endpoint: (http://127\.0\.0\.1:\d+)$", up.stdout, re.M).group(1), state)
-
-
-_STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo,
-                                  "local_tiny": _start_local}
+_STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo}
 _early = _EarlyStarts()
 
 
@@ -250,9 +247,9 @@ def demo_run() -> DemoRun:
 
 
 @pytest.fixture(scope="session")
-def local_tiny() -> LocalDeployment:
-    """``disagg up examples/local-tiny.yaml``, started in the background (see the module docstring)."""
-    return _early.result("local_tiny")
+def local_tiny(demo_run) -> LocalDeployment:
+    """The deployment the demo left running (``disagg up examples/local-tiny.yaml``)."""
+    return demo_run.deployment()
 
 
 @pytest.fixture(scope="session")
