@@ -52,7 +52,8 @@ def kv_config(shared_dir: Path, role: str) -> str:
 def role_argv(role: str, model: Path, port: int, kv_dir: Path, extra: list[str] | None = None) -> list[str]:
     common = ["--model", str(model), "--served-model-name", SERVED_NAME, "--port", str(port),
               "--host", "127.0.0.1", "--max-model-len", str(MAX_MODEL_LEN)]
-    engine = ["--enforce-eager", "--logits-processors", FORCING, "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+    engine = ["--enforce-eager", "--dtype", "float32", "--logits-processors", FORCING,
+              "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
     kv = ["--kv-transfer-config", kv_config(kv_dir, kv_role)]
     argv = {
