@@ -1,6 +1,6 @@
 """`make demo`'s program (``python -m disagg_cli.demo``): ``disagg up``, a streamed answer, leg timings.
 
-The harness starts the program with ``--keep`` in the background when the first engine test runs
+The harness starts the program with ``--keep`` in the background right after the shared engine set
 (``demo_run`` in tests/harness/engine.py); this test waits for it and checks what it printed. The
 deployment it leaves running is the one tests/e2e/test_local_mode.py drives and takes down with
 ``disagg down`` (the command the demo ends with without ``--keep``), checking that no process the

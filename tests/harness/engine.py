@@ -10,10 +10,10 @@ collection shows it is needed, and modules that need no engine run first (then t
 then e2e, then the modules that kill the shared set's engines, ``doomed_engines``): start-up
 overlaps the control-plane and unit tests instead of adding to them. ``demo_run`` (``make demo``'s
 program with ``--keep``: ``disagg up examples/local-tiny.yaml``, one chat, three vLLM servers of its
-own) starts in the same thread once the first engine test runs: started beside the control-plane
-tests, it slowed the operator tests more than it gained (the fifty-model test missed its bound).
-``local_tiny`` is the deployment the demo leaves running, for the local-mode tests; it is taken down
-(``disagg down``) after the last module that uses it.
+own) starts in the same thread right after the set, i.e. beside the control-plane tests, which
+leave the CPU partly idle while they wait on reconciles. ``local_tiny`` is the deployment the demo
+leaves running, for the local-mode tests; it is taken down (``disagg down``) after the last module
+that uses it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ from tests.harness.forced import Forcer
 
 ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
-# Fixtures started early in the background (in this order), and those among them that start only
-# once the first engine test runs (see the module docstring).
+# Fixtures started early in the background, one after the other in this order.
 _EARLY_FIXTURES = ("engine_set", "demo_run")
-_WITH_ENGINE_TESTS = ("demo_run",)
 
 
 @dataclass
@@ -121,7 +119,6 @@ class _EarlyStarts:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-start")
         self._futures: dict[str, Future] = {}
         self.last_user: dict[str, str] = {}  # set name -> nodeid of the last test of its last module
-        self.wanted: set[str] = set()  # what this session's tests use
 
     def submit(self, name: str) -> None:
         if name not in self._futures:
@@ -194,17 +191,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     wanted = {f for item in session.items for f in item.fixturenames if f in _EARLY_FIXTURES}
     if os.environ.get("DISAGG_ATTACH_SERVERS"):
         wanted.discard("engine_set")
-    _early.wanted = wanted
     for name in _EARLY_FIXTURES:  # the shared set first: most tests need it
-        if name in wanted and name not in _WITH_ENGINE_TESTS:
+        if name in wanted:
             _early.submit(name)
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if _uses(item, "engine_set"):
-        for name in _WITH_ENGINE_TESTS:
-            if name in _early.wanted:
-                _early.submit(name)  # idempotent
 
 
 @pytest.hookimpl(hookwrapper=True)
