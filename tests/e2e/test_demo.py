@@ -13,6 +13,8 @@ import re
 import pytest
 
 from disagg_cli import demo
+from disagg_engine.testing.tiny_model import ensure_model
+from tests.harness.forced import OUTPUTS, Forcer
 
 pytestmark = pytest.mark.e2e
 
@@ -32,3 +34,12 @@ def test_demo_brings_the_example_up_and_streams_an_answer(demo_run):
     state = demo_run.tmp / "state"
     assert f"left running: disagg status --state-dir {state}; disagg down --state-dir {state}" in out
     assert (state / "local-tiny" / "state.json").is_file()
+
+
+def test_the_demos_forced_ids_are_transformers_ids():
+    """The demo tokenizes with ``tokenizers`` alone; the harness (and vLLM) go through transformers.
+    Texts with special tokens, tool-call markup and multi-byte characters."""
+    model = ensure_model()
+    reference = Forcer(model)
+    for text in (demo.ANSWER, OUTPUTS["reasoning_tool_call"][0], OUTPUTS["multibyte"][0]):
+        assert demo.forced_ids(model, text) == reference.ids(text), text

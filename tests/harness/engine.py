@@ -73,10 +73,11 @@ class LocalDeployment:
     endpoint: str
     state: Path
 
-    def down(self) -> None:
-        if any(self.state.glob("*/state.json")):  # not yet taken down by a test
-            subprocess.run([*DISAGG, "down", "--state-dir", str(self.state)], capture_output=True, timeout=120,
-                           cwd=ROOT)
+
+def _down(state: Path) -> None:
+    """``disagg down`` for whatever is still up in ``state`` (a test may have taken it down)."""
+    if any(state.glob("*/state.json")):
+        subprocess.run([*DISAGG, "down", "--state-dir", str(state)], capture_output=True, timeout=120, cwd=ROOT)
 
 
 @dataclass
@@ -102,12 +103,12 @@ class DemoRun:
                                self.tmp / "state")
 
     def stop(self) -> None:
-        """Interrupt first: the demo's own shutdown stops the servers it started (their own groups);
-        then take down what it left running."""
+        """Interrupt a demo still running (one still starting stops what it started), then take
+        down what it left running."""
         from disagg_engine.servers import stop_group
 
         stop_group(self.proc, signal.SIGINT, grace=60)
-        LocalDeployment("", self.tmp / "state").down()
+        _down(self.tmp / "state")
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
