@@ -21,11 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagg_engine.servers import CPU_ENGINE_ENV, ManagedServer, ServerSpec, free_port, start_all, stop_all
-from disagg_engine.testing.tiny_model import SERVED_NAME, ensure_model
+from disagg_engine.testing.tiny_model import CHAT_TEMPLATE, SERVED_NAME, ensure_model
 
 SERVE = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
 RENDER = [sys.executable, "-m", "vllm.entrypoints.launchers.render.entry"]
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+# The template the tiny model carries, named explicitly: without it, every server with a tokenizer
+# loads the tokenizer a second time (~5 CPU-s) looking for a processor's own template.
+TEMPLATE_FLAGS = ["--chat-template", str(CHAT_TEMPLATE)]
 FORCING = "disagg_engine.testing.forcing:ForcedOutput"
 MAX_MODEL_LEN = 8192
 # The tiny model needs 1 KiB of KV per token: 128 MiB hold 131k tokens (16 full-length requests).
@@ -57,10 +60,10 @@ def role_argv(role: str, model: Path, port: int, kv_dir: Path, extra: list[str] 
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
     kv = ["--kv-transfer-config", kv_config(kv_dir, kv_role)]
     argv = {
-        "render": RENDER + common + PARSER_FLAGS,
+        "render": RENDER + common + TEMPLATE_FLAGS + PARSER_FLAGS,
         "prefill": SERVE + common + engine + ["--tokens-only"] + kv,
-        "decode": SERVE + common + engine + PARSER_FLAGS + ["--enable-scale-out"] + kv,
-        "coupled": SERVE + common + engine + PARSER_FLAGS + ["--enable-scale-out"],
+        "decode": SERVE + common + engine + TEMPLATE_FLAGS + PARSER_FLAGS + ["--enable-scale-out"] + kv,
+        "coupled": SERVE + common + engine + TEMPLATE_FLAGS + PARSER_FLAGS + ["--enable-scale-out"],
     }[role]
     return argv + list(extra or [])
 
