@@ -125,10 +125,6 @@ class _EarlyStarts:
         if name not in self._futures:
             self._futures[name] = self._pool.submit(_STARTERS[name])
 
-    @property
-    def submitted(self) -> set[str]:
-        return set(self._futures)
-
     def result(self, name: str):
         self.submit(name)  # not foreseen at collection (e.g. getfixturevalue): start now
         return self._futures[name].result()

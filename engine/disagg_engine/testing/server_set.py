@@ -33,7 +33,7 @@ FORCING = "disagg_engine.testing.forcing:ForcedOutput"
 MAX_MODEL_LEN = 8192
 # The tiny model needs 1 KiB of KV per token: 128 MiB hold 131k tokens (16 full-length requests).
 # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, whole GiB) costs each engine ~0.5 GB more RSS, and the
-# suite runs up to five engines at once on 24 GiB (this set's three, a demo/local-mode deployment's two).
+# suite runs up to five engines at once on 24 GiB (this set's three, the demo deployment's two).
 KV_CACHE_BYTES = 128 * 1024 * 1024
 ROLES = ("render", "prefill", "decode", "coupled")
 ROLE_ENV = {"decode": {"VLLM_PLUGINS": "disagg"}, "prefill": {"VLLM_PLUGINS": "disagg"}}
