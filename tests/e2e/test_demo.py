@@ -1,8 +1,9 @@
 """`make demo`'s program (``python -m disagg_cli.demo``): ``disagg up``, a streamed answer, leg timings.
 
-The harness starts the program with ``--keep`` in the background right after the shared engine set
+The harness starts the program with ``--keep`` in the background right after collection
 (``demo_run`` in tests/harness/engine.py); this test waits for it and checks what it printed. The
-deployment it leaves running is the one tests/e2e/test_local_mode.py drives and takes down with
+deployment it leaves running serves the shared engine set's render, prefill and decode, and
+tests/e2e/test_local_mode.py drives it; tests/e2e/test_local_down.py takes it down last with
 ``disagg down`` (the command the demo ends with without ``--keep``), checking that no process the
 demo started survives."""
 

@@ -1,13 +1,12 @@
 """Local mode end to end: ``disagg up examples/local-tiny.yaml`` driven with the official openai SDK.
 
 The deployment is the one ``make demo --keep`` left running (``local_tiny``, tests/harness/engine.py):
-the demo brings it up with ``disagg up --detach``, these tests use it and take it down."""
+the demo brings it up with ``disagg up --detach``, these tests use it, and test_local_down.py takes it
+down after every other test."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -15,17 +14,12 @@ import requests
 import yaml
 from openai import OpenAI
 
-from disagg_engine.servers import pid_alive, port_in_use
-from tests.harness.engine import DISAGG
+from tests.harness.engine import disagg
 from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "local-tiny.yaml"
-
-
-def _disagg(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*DISAGG, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def client(local_tiny) -> OpenAI:
 
 
 def test_status_lists_every_pool_healthy(local_tiny):
-    out = _disagg("status", "--json", "--state-dir", str(local_tiny.state))
+    out = disagg("status", "--json", "--state-dir", str(local_tiny.state))
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["endpoint"] == local_tiny.endpoint
@@ -86,7 +80,7 @@ def test_invalid_spec_is_rejected_with_the_crd_admission_message(cluster, tmp_pa
     doc["spec"]["pools"]["decode"]["replicas"] = 0
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc))
-    local = _disagg("up", str(bad), "--state-dir", str(tmp_path / "state"))
+    local = disagg("up", str(bad), "--state-dir", str(tmp_path / "state"))
     assert local.returncode == 2
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
@@ -96,36 +90,3 @@ def test_invalid_spec_is_rejected_with_the_crd_admission_message(cluster, tmp_pa
     message = "pools.decode.replicas must be at least 1: decode serves every request"
     assert message in admission.stderr
     assert message in local.stderr
-
-
-def test_down_leaves_no_process_and_no_port(local_tiny, demo_run):
-    report = json.loads(_disagg("status", "--json", "--state-dir", str(local_tiny.state)).stdout)
-    members = [m for ms in report["pools"].values() for m in ms]
-    down = _disagg("down", "--state-dir", str(local_tiny.state))
-    assert down.returncode == 0, down.stderr
-    assert down.stdout.startswith(f"stopped {len(members)} processes: "), down.stdout
-    for m in members:
-        assert not pid_alive(m["pid"]), m
-    deadline = time.monotonic() + 10
-    ports = [int(m["url"].rsplit(":", 1)[1]) for m in members]
-    while any(port_in_use(p) for p in ports):
-        assert time.monotonic() < deadline, "ports still in use"
-        time.sleep(0.1)
-    assert not any(local_tiny.state.glob("*/state.json"))
-    # Nothing the demo started survives, not even a process `disagg status` does not list (an
-    # engine core, a tokenizer worker): they all inherited the demo's environment mark.
-    assert [pid for pid in _processes_with(demo_run.mark) if pid_alive(pid)] == []
-
-
-def _processes_with(mark: str) -> list[int]:
-    """Pids whose environment carries ``mark`` (every descendant of the demo inherits it)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if mark.encode() in (proc / "environ").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            continue  # exited meanwhile, or not ours to read
-    return found

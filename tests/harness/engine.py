@@ -1,19 +1,21 @@
 """Session-scoped fixtures for the real vLLM CPU servers (started once, in parallel).
 
-``engine_set`` starts render, tokens-only prefill, decode and the coupled reference (see
-``disagg_engine.testing.server_set``). A failing test that used them gets the servers' log tails
-attached to its report. For quick iteration, ``DISAGG_ATTACH_SERVERS=<log dir>/servers.json``
-attaches to a set already started with ``python -m disagg_engine.testing.server_set``.
+``engine_set`` is render, tokens-only prefill, decode and the coupled reference (the roles of
+``disagg_engine.testing.server_set``). Its render, prefill and decode are the deployment
+``make demo`` brings up (``demo_run``: the demo's program with ``--keep``, i.e. ``disagg up
+examples/local-tiny.yaml --detach`` and one chat): the same model, parsers, forced-output logits
+processor and ExampleConnector KV hand-over, planned by the operator's own ``build_plan``, so the
+engine tests run on what local mode deploys and the suite starts three vLLM servers fewer. The
+coupled reference is the harness's own server. ``local_tiny`` is that deployment, for the
+local-mode tests. A failing test that used the set gets the servers' log tails attached to its
+report. For quick iteration, ``DISAGG_ATTACH_SERVERS=<log dir>/servers.json`` attaches to a full
+set started with ``python -m disagg_engine.testing.server_set`` instead.
 
-vLLM start-up is the suite's largest cost, so the set starts in a background thread as soon as
-collection shows it is needed, and modules that need no engine run first (then the engine modules,
-then e2e, then the modules that kill the shared set's engines, ``doomed_engines``): start-up
-overlaps the control-plane and unit tests instead of adding to them. ``demo_run`` (``make demo``'s
-program with ``--keep``: ``disagg up examples/local-tiny.yaml``, one chat, three vLLM servers of its
-own) starts in the same thread right after the set, i.e. beside the control-plane tests, which
-leave the CPU partly idle while they wait on reconciles. ``local_tiny`` is the deployment the demo
-leaves running, for the local-mode tests; it is taken down (``disagg down``) after the last module
-that uses it.
+vLLM start-up is the suite's largest cost, so the demo and the coupled server start in a background
+thread as soon as collection shows they are needed, and modules that need no engine run first:
+start-up overlaps the control-plane and unit tests instead of adding to them. Then come the engine
+modules, e2e, the modules that kill the set's prefill and decode (``doomed_engines``), and last the
+one that takes the deployment down (``final_local_tiny``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,17 @@ from pathlib import Path
 
 import pytest
 
+from disagg_cli.local.runner import STATE_FILE, Deployment, find_state
+from disagg_engine.servers import stop_all, stop_group
+from disagg_engine.testing.server_set import ServerSet, start_server_set
 from tests.harness.forced import Forcer
 
 ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
-# Fixtures started early in the background, one after the other in this order.
-_EARLY_FIXTURES = ("engine_set", "demo_run")
+# Fixtures started early in the background, one after the other in this order (the demo's start
+# returns at once; the set then starts its coupled server and waits for the demo's deployment).
+_EARLY_FIXTURES = ("demo_run", "engine_set")
+_NEEDS = {"engine_set": "demo_run"}
 
 
 @dataclass
@@ -53,18 +60,10 @@ class AttachedServer:
         return "\n".join(line[:300] for line in self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _attached_set(path: str):
-    from disagg_engine.testing.server_set import ServerSet
-
+def _attached_set(path: str) -> ServerSet:
     desc = json.loads(Path(path).read_text())
     servers = {name: AttachedServer(d["url"], d["pid"], Path(d["log"])) for name, d in desc["servers"].items()}
     return ServerSet(servers, Path(desc["model_dir"]), Path(desc["kv_dir"]), Path(desc["log_dir"]))
-
-
-def _start_engine_set():
-    from disagg_engine.testing.server_set import start_server_set
-
-    return start_server_set(Path(tempfile.mkdtemp(prefix="disagg-engine-logs-")))
 
 
 @dataclass
@@ -76,8 +75,31 @@ class LocalDeployment:
 
 def _down(state: Path) -> None:
     """``disagg down`` for whatever is still up in ``state`` (a test may have taken it down)."""
-    if any(state.glob("*/state.json")):
-        subprocess.run([*DISAGG, "down", "--state-dir", str(state)], capture_output=True, timeout=120, cwd=ROOT)
+    if any(state.glob(f"*/{STATE_FILE}")):
+        disagg("down", "--state-dir", str(state), timeout=120)
+
+
+@dataclass
+class SharedSet(ServerSet):
+    """A set whose render, prefill and decode belong to a local deployment: stopping it stops only
+    the servers the harness started (``owned``); the deployment is the demo's to take down."""
+    owned: tuple = ()
+
+    def stop(self) -> None:
+        stop_all(self.owned)
+
+
+def _start_engine_set() -> SharedSet:
+    coupled = start_server_set(Path(tempfile.mkdtemp(prefix="disagg-engine-logs-")), roles=("coupled",))
+    try:
+        state = find_state(_early.result("demo_run").deployment().state, None)
+    except BaseException:
+        coupled.stop()
+        raise
+    tiers = {p["pool"]: AttachedServer(p["url"], p["pid"], Path(p["log"]))
+             for p in Deployment.load(state).processes if p["pool"] in ("render", "prefill", "decode")}
+    return SharedSet({**tiers, **coupled.servers}, coupled.model_dir, state / "kv", coupled.log_dir,
+                     owned=tuple(coupled.servers.values()))
 
 
 @dataclass
@@ -105,8 +127,6 @@ class DemoRun:
     def stop(self) -> None:
         """Interrupt a demo still running (one still starting stops what it started), then take
         down what it left running."""
-        from disagg_engine.servers import stop_group
-
         stop_group(self.proc, signal.SIGINT, grace=60)
         _down(self.tmp / "state")
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -122,6 +142,8 @@ class _EarlyStarts:
         self.last_user: dict[str, str] = {}  # set name -> nodeid of the last test of its last module
 
     def submit(self, name: str) -> None:
+        if name in _NEEDS:
+            self.submit(_NEEDS[name])  # queued first: the single thread must never wait on a later task
         if name not in self._futures:
             self._futures[name] = self._pool.submit(_STARTERS[name])
 
@@ -143,6 +165,11 @@ class _EarlyStarts:
 DISAGG = [sys.executable, "-m", "disagg_cli.main"]
 
 
+def disagg(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    """The ``disagg`` CLI, run from the repository root."""
+    return subprocess.run([*DISAGG, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
 def _start_demo() -> DemoRun:
     tmp = Path(tempfile.mkdtemp(prefix="disagg-demo-test-"))
     key, value = "DISAGG_DEMO_RUN", uuid.uuid4().hex
@@ -161,11 +188,18 @@ def _uses(item: pytest.Item, name: str) -> bool:
     return name in getattr(item, "fixturenames", ())
 
 
+def _uses_start(item: pytest.Item, name: str) -> bool:
+    """Whether the test needs the early start ``name``, itself or through one that needs it."""
+    return any(_uses(item, n) for n in (name, *(k for k, v in _NEEDS.items() if v == name)))
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules needing no engine first, then the engine modules, e2e (local mode starts its own vLLM
-    set), and last the modules that kill the shared set's engines; stable, so module and test order
-    are kept within each group."""
+    """Modules needing no engine first, then the engine modules, e2e, the modules that kill the
+    set's prefill and decode, and last the one that takes the deployment down; stable, so module
+    and test order are kept within each group."""
     def weight(item: pytest.Item) -> int:
+        if _uses(item, "final_local_tiny"):
+            return 4
         if _uses(item, "doomed_engines"):
             return 3
         return 2 if item.get_closest_marker("e2e") else 1 if _uses(item, "engine_set") else 0
@@ -175,8 +209,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:
         weights[module(item)] = max(weights.get(module(item), 0), weight(item))
     items.sort(key=lambda item: weights[module(item)])
-    for name in _EARLY_FIXTURES:  # a set is stopped after the last module using it
-        modules = {module(item) for item in items if _uses(item, name)}
+    for name in _EARLY_FIXTURES:  # a start is stopped after the last module needing it
+        modules = {module(item) for item in items if _uses_start(item, name)}
         users = [item.nodeid for item in items if module(item) in modules]
         if users:
             _early.last_user[name] = users[-1]
@@ -188,7 +222,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     wanted = {f for item in session.items for f in item.fixturenames if f in _EARLY_FIXTURES}
     if os.environ.get("DISAGG_ATTACH_SERVERS"):
         wanted.discard("engine_set")
-    for name in _EARLY_FIXTURES:  # the shared set first: most tests need it
+    for name in _EARLY_FIXTURES:
         if name in wanted:
             _early.submit(name)
 
@@ -221,8 +255,8 @@ def engine_set() -> Iterator:
 
 @pytest.fixture(scope="session")
 def doomed_engines(engine_set) -> dict:
-    """The shared set's prefill and decode servers, for tests that kill them: modules using this
-    run last (see pytest_collection_modifyitems), when no other test needs those servers."""
+    """The set's prefill and decode servers, for tests that kill them: modules using this run after
+    every other test that needs those servers (see pytest_collection_modifyitems)."""
     return {role: engine_set.servers[role] for role in ("prefill", "decode")}
 
 
@@ -236,6 +270,12 @@ def demo_run() -> DemoRun:
 def local_tiny(demo_run) -> LocalDeployment:
     """The deployment the demo left running (``disagg up examples/local-tiny.yaml``)."""
     return demo_run.deployment()
+
+
+@pytest.fixture(scope="session")
+def final_local_tiny(local_tiny) -> LocalDeployment:
+    """The same deployment, for the module that takes it down: it runs last of all."""
+    return local_tiny
 
 
 @pytest.fixture(scope="session")

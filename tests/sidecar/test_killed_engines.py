@@ -2,7 +2,8 @@
 configured) and a decode engine that dies mid-stream (the client's stream ends with an error).
 
 The victims are the shared set's prefill and decode servers (``doomed_engines``): the harness runs
-this module last, so killing them costs no other test anything and no extra engines start for it.
+this module after every other test that uses them (only ``disagg down`` of their deployment comes
+later), so killing them costs no other test anything and no extra engines start for it.
 The live prefill endpoint beside the dead one is the coupled server, which serves prefill legs
 like any engine (its KV is not handed over, so decode computes the prompt again; the answer is the
 same).

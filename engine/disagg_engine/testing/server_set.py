@@ -1,4 +1,4 @@
-"""The harness's set of real vLLM CPU servers, all on the tiny test model.
+"""A set of real vLLM CPU servers on the tiny test model: the four roles the tests drive.
 
 - ``render``:  ``launch render`` (chat template, tokenization, derender) with the parsers
 - ``prefill``: ``serve --tokens-only`` with the engine extension, writing KV through ``ExampleConnector``
@@ -8,7 +8,9 @@
   ``--enable-scale-out`` without the extension, i.e. a stock vLLM decode engine
 
 Every engine loads the forced-output logits processor. ``python -m disagg_engine.testing.server_set``
-starts the set outside pytest and prints the URLs (Ctrl-C stops it).
+starts the set outside pytest and prints the URLs (Ctrl-C stops it); benchmarks start it too. The
+pytest harness starts only ``coupled`` here and takes render, prefill and decode from the local
+deployment ``make demo`` brings up (tests/harness/engine.py), which has the same flags.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ TEMPLATE_FLAGS = ["--chat-template", str(CHAT_TEMPLATE)]
 FORCING = "disagg_engine.testing.forcing:ForcedOutput"
 MAX_MODEL_LEN = 8192
 # The tiny model needs 1 KiB of KV per token: 128 MiB hold 131k tokens (16 full-length requests).
-# vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, whole GiB) costs each engine ~0.5 GB more RSS, and the
-# suite runs up to five engines at once on 24 GiB (this set's three, the demo deployment's two).
+# vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, whole GiB) costs each engine ~0.5 GB more RSS
+# (examples/local-tiny.yaml sizes its engines the same way).
 KV_CACHE_BYTES = 128 * 1024 * 1024
 ROLES = ("render", "prefill", "decode", "coupled")
 ROLE_ENV = {"decode": {"VLLM_PLUGINS": "disagg"}, "prefill": {"VLLM_PLUGINS": "disagg"}}
