@@ -24,10 +24,14 @@ from pathlib import Path
 # local mode and the test harness. VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's CPU platform from
 # replacing the uniproc executor with the mp one: the worker runs inside the engine-core process
 # (one process fewer per engine: ~0.9 GB and ~14 CPU-s of start-up less), fine with unpinned threads.
+# TORCH_COMPILE_DISABLE=1: CPU engines run --enforce-eager, yet vLLM still torch.compiles small
+# sampler helpers when first used (the logprob ranks), and on CPU that means a C++ build inside the
+# request: the first logprobs request took 3.5 s instead of 0.9 s on an idle machine, same values.
 CPU_ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCH_COMPILE_DISABLE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,8 +78,8 @@ SLOW = 120.0  # a proxy this slow never answers within a test's leg timeout
 LEG_TIMEOUT = 3.0
 
 
-@pytest.fixture
-def slowable(engine_set) -> Iterator[tuple[dict[str, RecordingProxy], dict]]:
+@contextmanager
+def slow_legs(engine_set) -> Iterator[tuple[dict[str, RecordingProxy], dict]]:
     """Every leg behind a proxy that can be made slow or failing; the sidecar chains (so a
     derender leg exists) and every leg times out after ``LEG_TIMEOUT`` seconds without a byte."""
     with recording_proxy(engine_set.url("render")) as render, recording_proxy(engine_set.url("render")) as derender, \
@@ -91,62 +92,76 @@ def slowable(engine_set) -> Iterator[tuple[dict[str, RecordingProxy], dict]]:
         yield proxies, config
 
 
-def test_a_leg_slower_than_its_timeout(engine_set, forcer, slowable) -> None:
+@pytest.fixture
+def slowable(engine_set) -> Iterator[tuple[dict[str, RecordingProxy], dict]]:
+    with slow_legs(engine_set) as legs:
+        yield legs
+
+
+def test_a_leg_slower_than_its_timeout(engine_set, forcer) -> None:
     """Past its timeout a leg is retried once (render, prefill, derender; on another endpoint when
     there is one), then: render/derender -> 503 with Retry-After, prefill -> the decode engine
-    prefills itself (``x-disagg-prefill: fallback``), decode -> 502 (the pod's own engine, no retry)."""
-    proxies, config = slowable
+    prefills itself (``x-disagg-prefill: fallback``), decode -> 502 (the pod's own engine, no retry).
+    The cases mostly wait out timeouts, so each runs beside the others with its own proxies and
+    sidecar."""
     body = forcer.chat_body("plain")
     want = chat_view(chat(engine_set.url("coupled"), body).json())
-    with run_sidecar(config) as sidecar:
-        assert chat_view(chat(sidecar.url, body).json()) == want  # every leg in time
 
-        def timed_out(leg: str, attempts: int) -> requests.Response:
-            """The chat request with ``leg``'s proxy slow; ``attempts`` of that leg time out."""
-            errors = sidecar.metric("disagg_sidecar_leg_errors_total", leg=leg, kind="timeout")
-            proxies[leg].delay = SLOW
-            started = time.monotonic()
-            try:
-                resp = chat(sidecar.url, body, headers={"x-prefiller-host-port": host_port(proxies["prefill"].url)})
-            finally:
-                proxies[leg].delay = 0
-            elapsed = time.monotonic() - started
-            assert sidecar.metric("disagg_sidecar_leg_errors_total", leg=leg, kind="timeout") == errors + attempts
-            assert LEG_TIMEOUT * attempts <= elapsed < LEG_TIMEOUT * attempts + 30, elapsed
-            return resp
+    def timed_out(leg: str, attempts: int, prefill_urls: int = 2) -> tuple[requests.Response, RecordingProxy]:
+        """The chat request with ``leg``'s proxy slow, through a sidecar whose legs are all in time
+        first; ``attempts`` of that leg time out. ``prefill_urls`` 1: the slow proxy is the only
+        prefill endpoint."""
+        with slow_legs(engine_set) as (proxies, config):
+            if prefill_urls == 1:
+                config = {**config, "prefill": {**config["prefill"], "discovery": {
+                    "kind": "static", "urls": [proxies["prefill"].url]}}}
+            with run_sidecar(config) as sidecar:
+                assert chat_view(chat(sidecar.url, body).json()) == want  # every leg in time
+                proxies[leg].delay = SLOW
+                started = time.monotonic()
+                try:
+                    # The header sends the first prefill attempt to the slow proxy.
+                    resp = chat(sidecar.url, body, headers={"x-prefiller-host-port": host_port(proxies["prefill"].url)})
+                finally:
+                    proxies[leg].delay = 0
+                elapsed = time.monotonic() - started
+                assert sidecar.metric("disagg_sidecar_leg_errors_total", leg=leg, kind="timeout") == attempts
+                assert LEG_TIMEOUT * attempts <= elapsed < LEG_TIMEOUT * attempts + 30, elapsed
+                if leg == "prefill" and prefill_urls == 2:
+                    assert sidecar.metric("disagg_sidecar_leg_retries_total", leg="prefill") == 1
+                assert chat_view(chat(sidecar.url, body).json()) == want, "all legs in time again"
+                return resp, proxies[leg]
 
-        resp = timed_out("render", attempts=2)
-        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
-        assert resp.json()["error"] == {"message": "The render tier is unavailable (timeout)",
-                                        "type": "ServiceUnavailableError", "param": None, "code": 503}
-        assert proxies["render"].count("/v1/chat/completions/render") == 1 + 2
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        cases = {"render": pool.submit(timed_out, "render", attempts=2),
+                 "prefill": pool.submit(timed_out, "prefill", attempts=1),
+                 "prefill alone": pool.submit(timed_out, "prefill", attempts=2, prefill_urls=1),
+                 "derender": pool.submit(timed_out, "derender", attempts=2),
+                 "decode": pool.submit(timed_out, "decode", attempts=1)}
+    resp, proxy = cases["render"].result()
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+    assert resp.json()["error"] == {"message": "The render tier is unavailable (timeout)",
+                                    "type": "ServiceUnavailableError", "param": None, "code": 503}
+    assert proxy.count("/v1/chat/completions/render") == 1 + 2 + 1  # in time, two timeouts, in time
 
-        # The header sends the first attempt to the slow proxy; the retry goes to the real server.
-        resp = timed_out("prefill", attempts=1)
-        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote"
-        assert chat_view(resp.json()) == want
-        assert sidecar.metric("disagg_sidecar_leg_retries_total", leg="prefill") == 1
-        proxies["prefill"].delay = SLOW  # a single prefill endpoint too slow: the fallback
-        single = {**config, "prefill": {**config["prefill"], "discovery": {"kind": "static",
-                                                                          "urls": [proxies["prefill"].url]}}}
-        with run_sidecar(single) as alone:
-            started = time.monotonic()
-            resp = chat(alone.url, body)
-            assert time.monotonic() - started >= 2 * LEG_TIMEOUT
-            assert alone.metric("disagg_sidecar_leg_errors_total", leg="prefill", kind="timeout") == 2
-        proxies["prefill"].delay = 0
-        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback"
-        assert chat_view(resp.json()) == want
+    # The retry goes to the real server.
+    resp, _ = cases["prefill"].result()
+    assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote"
+    assert chat_view(resp.json()) == want
 
-        resp = timed_out("derender", attempts=2)
-        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
-        assert resp.json()["error"]["message"] == "The derender tier is unavailable (timeout)"
+    # A single prefill endpoint too slow: the fallback.
+    resp, _ = cases["prefill alone"].result()
+    assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback"
+    assert chat_view(resp.json()) == want
 
-        resp = timed_out("decode", attempts=1)
-        assert resp.status_code == 502 and "Retry-After" not in resp.headers
-        assert resp.json()["error"] == {"message": "The decode engine failed: timeout", "type": "BadGatewayError",
-                                        "param": None, "code": 502}
-        assert chat_view(chat(sidecar.url, body).json()) == want, "all legs in time again"
+    resp, _ = cases["derender"].result()
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+    assert resp.json()["error"]["message"] == "The derender tier is unavailable (timeout)"
+
+    resp, _ = cases["decode"].result()
+    assert resp.status_code == 502 and "Retry-After" not in resp.headers
+    assert resp.json()["error"] == {"message": "The decode engine failed: timeout", "type": "BadGatewayError",
+                                    "param": None, "code": 502}
 
 
 ENGINE_500 = json.dumps({"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
