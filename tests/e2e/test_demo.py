@@ -15,7 +15,7 @@ import pytest
 
 from disagg_cli import demo
 from disagg_engine.testing.tiny_model import ensure_model
-from tests.harness.forced import OUTPUTS, Forcer
+from tests.harness.forced import OUTPUTS
 
 pytestmark = pytest.mark.e2e
 
@@ -37,10 +37,8 @@ def test_demo_brings_the_example_up_and_streams_an_answer(demo_run):
     assert (state / "local-tiny" / "state.json").is_file()
 
 
-def test_the_demos_forced_ids_are_transformers_ids():
-    """The demo tokenizes with ``tokenizers`` alone; the harness (and vLLM) go through transformers.
-    Texts with special tokens, tool-call markup and multi-byte characters."""
-    model = ensure_model()
-    reference = Forcer(model)
+def test_the_demos_forced_ids_are_transformers_ids(forcer):
+    """The demo tokenizes with ``tokenizers`` alone; the harness's ``forcer`` (and vLLM) go through
+    transformers. Texts with special tokens, tool-call markup and multi-byte characters."""
     for text in (demo.ANSWER, OUTPUTS["reasoning_tool_call"][0], OUTPUTS["multibyte"][0]):
-        assert demo.forced_ids(model, text) == reference.ids(text), text
+        assert demo.forced_ids(ensure_model(), text) == forcer.ids(text), text
