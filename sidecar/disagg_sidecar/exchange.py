@@ -13,7 +13,7 @@ from aiohttp import web
 
 from disagg_sidecar import legs, streaming, wire
 from disagg_sidecar.errors import SidecarError, error_body
-from disagg_sidecar.upstream import InFlight, LegError
+from disagg_sidecar.upstream import InFlight, LegError, transport_error
 
 
 @dataclass
@@ -100,7 +100,5 @@ async def chunks(resp: aiohttp.ClientResponse, url: str) -> AsyncIterator[bytes]
     try:
         async for data in resp.content.iter_any():
             yield data
-    except asyncio.TimeoutError as exc:
-        raise LegError("decode", "timeout", url) from exc
-    except aiohttp.ClientError as exc:
-        raise LegError("decode", "disconnect", url, detail=str(exc)) from exc
+    except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        raise transport_error("decode", url, exc) from exc

@@ -43,6 +43,14 @@ class LegError(Exception):
         self.leg, self.kind, self.url, self.status, self.body = leg, kind, url, status, body
 
 
+def transport_error(leg: Leg, url: str, exc: BaseException) -> LegError:
+    """A transport failure as the leg's error: ``timeout`` (no byte within the leg's timeout),
+    ``connect`` (the endpoint was never reached) or ``disconnect`` (it went away)."""
+    kind = ("timeout" if isinstance(exc, asyncio.TimeoutError)
+            else "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "disconnect")
+    return LegError(leg, kind, url, detail=str(exc))
+
+
 @dataclass
 class Reply:
     status: int
@@ -91,12 +99,8 @@ class Upstream:
             async with self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
                                          timeout=self.timeouts[leg]) as resp:
                 return Reply(resp.status, await resp.read(), url)
-        except asyncio.TimeoutError as exc:
-            raise LegError(leg, "timeout", url, detail=str(exc)) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise LegError(leg, "connect", url, detail=str(exc)) from exc
-        except aiohttp.ClientError as exc:
-            raise LegError(leg, "disconnect", url, detail=str(exc)) from exc
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            raise transport_error(leg, url, exc) from exc
         finally:
             self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - started)
 
@@ -149,15 +153,10 @@ class Upstream:
         try:
             resp = await self.session.post(url + wire.GENERATE, data=body, headers={**headers, **JSON_HEADERS},
                                            timeout=self.timeouts["decode"])
-        except asyncio.TimeoutError as exc:
-            self.metrics.leg_errors.labels("decode", "timeout").inc()
-            raise LegError("decode", "timeout", url, detail=str(exc)) from exc
-        except aiohttp.ClientConnectorError as exc:
-            self.metrics.leg_errors.labels("decode", "connect").inc()
-            raise LegError("decode", "connect", url, detail=str(exc)) from exc
-        except aiohttp.ClientError as exc:
-            self.metrics.leg_errors.labels("decode", "disconnect").inc()
-            raise LegError("decode", "disconnect", url, detail=str(exc)) from exc
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            error = transport_error("decode", url, exc)
+            self.metrics.leg_errors.labels("decode", error.kind).inc()
+            raise error from exc
         if inflight is not None:
             inflight.urls.add(url)
         try:
@@ -166,9 +165,9 @@ class Upstream:
             # Reading the body failed (stalled past the leg timeout, or the engine went away after
             # its headers); other legs inside this block raise LegError themselves.
             resp.close()
-            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnect"
-            self.metrics.leg_errors.labels("decode", kind).inc()
-            raise LegError("decode", kind, url, detail=str(exc)) from exc
+            error = transport_error("decode", url, exc)
+            self.metrics.leg_errors.labels("decode", error.kind).inc()
+            raise error from exc
         except BaseException:
             resp.close()  # left in `inflight`: a disconnect handler aborts it
             raise

@@ -11,11 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_engine.servers import stop_group
 from tests.harness.cluster import Cluster
+from tests.harness.operator import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -468,40 +463,6 @@ def sa_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
     return path
 
 
-class LocalOperator:
-    """`python -m disagg_operator` with a given kubeconfig; started and stopped by its own pid."""
-
-    def __init__(self, kubeconfig: Path, args: list[str], log: Path, env: dict[str, str] | None = None):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log = log
-        env = {**os.environ, **(env or {}), "KUBECONFIG": str(kubeconfig)}
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "disagg_operator", "--liveness", f"http://127.0.0.1:{self.port}/healthz",
-                 *args], env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, cwd=REPO)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.text().splitlines()[-lines:])
-
-    def healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"the operator exited ({self.proc.returncode}):\n{self.tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def stop(self) -> None:
-        stop_group(self.proc, grace=30)
-
-
 def test_operator_with_chart_identity_reconciles_example_to_ready(
         cluster: Cluster, namespaces: Callable[[str], str], tmp_path: Path, releases: list[tuple[str, str]]) -> None:
     ns, watched = namespaces("op"), namespaces("op-w")
@@ -519,12 +480,12 @@ def test_operator_with_chart_identity_reconciles_example_to_ready(
     container = next(d for d in args if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     op_args = [a for a in container["args"][1:] if not a.startswith(("--liveness", "--metrics-port"))]
     assert op_args == [f"--namespace={watched}", "--verbose"]
-    operator = LocalOperator(kubeconfig, op_args, tmp_path / "operator.log")
+    operator = OperatorProcess(kubeconfig, tmp_path, op_args, metrics_endpoint=False).start()
     try:
-        cluster.wait_for(operator.healthy, "the operator's liveness endpoint", timeout=60)
+        cluster.wait_for(operator.alive, "the operator's liveness endpoint", timeout=60)
         # Namespaced: no cluster-wide scanning (the Role could not list namespaces), straight to `watched`.
         serving = f"Starting the watch-stream for disaggregatedmodels.v1alpha1.disagg.dev in '{watched}'"
-        cluster.wait_for(lambda: operator.healthy() and serving in operator.log.read_text(errors="replace"),
+        cluster.wait_for(lambda: operator.alive() and serving in operator.log(),
                          "the operator watching its namespace", timeout=60, interval=1)
         cluster.kubectl("apply", "-n", watched, "-f", str(EXAMPLE))
 
@@ -540,9 +501,9 @@ def test_operator_with_chart_identity_reconciles_example_to_ready(
             status = get_json(cluster, "-n", watched, "disaggregatedmodel", "qwen3-8b").get("status")
             pods = cluster.kubectl("get", "pods", "-n", watched, "-o", "wide", check=False).stdout
             raise AssertionError(f"{exc}\n--- status ---\n{json.dumps(status, indent=1)}\n--- pods ---\n{pods}"
-                                 f"\n--- operator log ---\n{operator.tail()}") from None
-        log = operator.log.read_text(errors="replace")
-        assert "Handler 'reconcile' succeeded" in log, operator.tail()
+                                 f"\n--- operator log ---\n{operator.log_tail()}") from None
+        log = operator.log()
+        assert "Handler 'reconcile' succeeded" in log, operator.log_tail()
         # The writes were this operator's own (its debug log has every request and its answer). A
         # cluster-wide disagg operator running concurrently (another session) could race it here.
         written = set(re.findall(rf'"PATCH /apis?(?:/[a-z0-9.]+)?/v[0-9a-z]+/namespaces/{watched}/([a-z]+)/'
@@ -556,7 +517,7 @@ def test_operator_with_chart_identity_reconciles_example_to_ready(
         kinds = get_json(cluster, "-n", watched, "serviceaccounts,roles,rolebindings,deployments",
                          "-l", f"{INSTANCE}=qwen3-8b")["items"]
         assert {o["kind"] for o in kinds} == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
-        assert operator.healthy()
+        assert operator.alive()
     finally:
         operator.stop()
         cluster.kubectl("delete", "-n", watched, "-f", str(EXAMPLE), "--ignore-not-found", "--wait=false",
@@ -565,7 +526,7 @@ def test_operator_with_chart_identity_reconciles_example_to_ready(
     # falls back to the given namespaces. Nothing else may be refused.
     expected = ('resource "namespaces" in API group "" at the cluster scope',
                 'resource "customresourcedefinitions" in API group "apiextensions.k8s.io" at the cluster scope')
-    refused = [line for line in operator.log.read_text(errors="replace").splitlines()
+    refused = [line for line in operator.log().splitlines()
                if ("Forbidden" in line or " 403" in line) and not any(e in line for e in expected)]
     assert not refused, "\n".join(refused)
 
@@ -636,44 +597,47 @@ def test_replicas_elect_one_leader_that_hands_over_on_sigterm(
     # ... run by "replica-a" (a random priority, as in the chart) which starts alone and works, then by
     # "replica-b" with a priority above any random one: a pauses in its favour (a replica that joins
     # below the leader is paused from its start and says nothing; this order makes the pause visible).
-    a = LocalOperator(kubeconfig, op_args, tmp_path / "replica-a.log", env={"POD_ID": "replica-a"})
-    b: LocalOperator | None = None
+    for replica in ("replica-a", "replica-b"):
+        (tmp_path / replica).mkdir()  # each replica's log
+    a = OperatorProcess(kubeconfig, tmp_path / "replica-a", op_args, env={"POD_ID": "replica-a"},
+                        metrics_endpoint=False).start()
+    b: OperatorProcess | None = None
     models = ("first", "second")
     try:
-        cluster.wait_for(lambda: a.healthy() and RESUMED in a.text(), "replica-a working (alone)", timeout=90,
+        cluster.wait_for(lambda: a.alive() and RESUMED in a.log(), "replica-a working (alone)", timeout=90,
                          interval=0.5)
         priority_a = status()["replica-a"]["priority"]
         assert 0 <= priority_a < 2**31, priority_a
-        b = LocalOperator(kubeconfig, [*op_args, f"--priority={2**31}"], tmp_path / "replica-b.log",
-                          env={"POD_ID": "replica-b"})
-        cluster.wait_for(lambda: b.healthy() and RESUMED in b.text(), "replica-b working", timeout=90, interval=0.5)
-        cluster.wait_for(lambda: PAUSED in a.text(), "replica-a pausing in favour of replica-b", timeout=60,
+        b = OperatorProcess(kubeconfig, tmp_path / "replica-b", [*op_args, f"--priority={2**31}"],
+                            env={"POD_ID": "replica-b"}, metrics_endpoint=False).start()
+        cluster.wait_for(lambda: b.alive() and RESUMED in b.log(), "replica-b working", timeout=90, interval=0.5)
+        cluster.wait_for(lambda: PAUSED in a.log(), "replica-a pausing in favour of replica-b", timeout=60,
                          interval=0.5)
-        paused = next(line for line in a.text().splitlines() if PAUSED in line)
+        paused = next(line for line in a.log().splitlines() if PAUSED in line)
         assert "replica-b" in paused, paused
         peers = status()
         assert peers["replica-b"]["priority"] == 2**31 and peers["replica-a"]["priority"] == priority_a
 
-        def reconciled(op: LocalOperator, model: str) -> bool:
+        def reconciled(op: OperatorProcess, model: str) -> bool:
             dm = get_json(cluster, "-n", watched, "disaggregatedmodel", model)
             current = dm.get("status", {}).get("observedGeneration") == dm["metadata"]["generation"]
-            return op.healthy() and current and ("deployments", f"{model}-decode") in writes(op.text(), watched)
+            return op.alive() and current and ("deployments", f"{model}-decode") in writes(op.log(), watched)
 
         # The leader (b) reconciles the first model; the standby (a) writes nothing but its keep-alive.
         cluster.kubectl("apply", "-n", watched, "-f", "-", input=model_doc(models[0]))
         cluster.wait_for(lambda: reconciled(b, models[0]), f"replica-b reconciling {models[0]}", timeout=90)
-        assert a.healthy()
-        assert "Handler 'reconcile'" not in a.text(), a.tail()
-        assert writes(a.text(), watched) <= {("kopfpeerings", peering)}, writes(a.text(), watched)
+        assert a.alive()
+        assert "Handler 'reconcile'" not in a.log(), a.log_tail()
+        assert writes(a.log(), watched) <= {("kopfpeerings", peering)}, writes(a.log(), watched)
 
         # SIGTERM: b removes itself from the peering as it exits, a resumes at once (no 60 s expiry).
         b.stop()
-        assert b.proc.returncode == 0, b.tail()
+        assert b.proc.returncode == 0, b.log_tail()
         assert "replica-b" not in status()
-        cluster.wait_for(lambda: a.text().count(RESUMED) >= 2, "replica-a resuming", timeout=30, interval=0.5)
+        cluster.wait_for(lambda: a.log().count(RESUMED) >= 2, "replica-a resuming", timeout=30, interval=0.5)
         cluster.kubectl("apply", "-n", watched, "-f", "-", input=model_doc(models[1]))
         cluster.wait_for(lambda: reconciled(a, models[1]), f"replica-a reconciling {models[1]}", timeout=90)
-        assert models[1] not in "".join(f"{r}/{n}" for r, n in writes(b.text(), watched))
+        assert models[1] not in "".join(f"{r}/{n}" for r, n in writes(b.log(), watched))
     finally:
         a.stop()
         if b is not None:
@@ -686,7 +650,7 @@ def test_replicas_elect_one_leader_that_hands_over_on_sigterm(
     expected = ('resource "namespaces" in API group "" at the cluster scope',
                 'resource "customresourcedefinitions" in API group "apiextensions.k8s.io" at the cluster scope')
     for op in (a, b):
-        refused = [line for line in op.text().splitlines()
+        refused = [line for line in op.log().splitlines()
                    if ("Forbidden" in line or " 403" in line) and not any(e in line for e in expected)]
         assert not refused, "\n".join(refused)
 

@@ -14,6 +14,7 @@ import re
 import pytest
 
 from disagg_cli import demo
+from disagg_cli.local.runner import STATE_FILE
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.harness.forced import OUTPUTS
 
@@ -34,7 +35,7 @@ def test_demo_brings_the_example_up_and_streams_an_answer(demo_run):
         assert re.search(rf"^  {leg} +\d+\.\d{{3}} s$", out, re.M), out
     state = demo_run.tmp / "state"
     assert f"left running: disagg status --state-dir {state}; disagg down --state-dir {state}" in out
-    assert (state / "local-tiny" / "state.json").is_file()
+    assert (state / "local-tiny" / STATE_FILE).is_file()
 
 
 def test_the_demos_forced_ids_are_transformers_ids(forcer):

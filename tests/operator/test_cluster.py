@@ -21,7 +21,7 @@ from disagg_operator.plan import Plan, Role, build_plan
 from disagg_operator.spec import parse_manifest
 from tests.harness.cluster import Cluster
 from tests.operator.cases import EDGES, INVALID, Invalid, base, merged
-from tests.operator.conftest import OperatorProcess
+from tests.harness.operator import OperatorProcess
 from tests.operator.builders import PARSER_FLAGS, TOKENIZER_FLAGS, flags
 
 pytestmark = pytest.mark.cluster
