@@ -52,6 +52,31 @@ def test_batch_disaggregated_path_equals_coupled(engine_set, forcer, name):
         assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16,}", call_id)
 
 
+LONG = 4096
+
+
+def test_a_4096_token_answer_is_the_same_on_both_paths(engine_set, forcer):
+    """A long output: 4,096 forced tokens (short reasoning, then a long answer with multi-byte
+    text early on), cut by ``max_tokens``, through the coupled endpoint and the disaggregated path."""
+    lines = [f"Step {i}: 東京 🚀 is far from Paris.\n" if i < 20 else f"Step {i}: and then north.\n" for i in range(450)]
+    answer = "".join(lines)
+    text = f"<think>\nA long plan.\n</think>\n\n{answer}"
+    ids = forcer.ids(text, eos=False)
+    assert len(ids) > LONG
+    body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "A long answer, please."}],
+            "max_tokens": LONG, "vllm_xargs": {"forced_token_ids": ids}}
+    reference = in_background(lambda: coupled_chat(engine_set, body))
+    disagg = ManualPipeline(engine_set).chat(body)
+    coupled = reference.result()
+    assert chat_view(disagg) == chat_view(coupled)
+    choice = chat_view(coupled)["choices"][0]
+    assert choice["finish_reason"] == "length" and coupled["usage"]["completion_tokens"] == LONG
+    assert choice["reasoning"].strip() == "A long plan."
+    # The answer is the forced text up to the 4,096th token (an ASCII line: nothing split there).
+    want = forcer.tokenizer.decode(ids[:LONG]).split("</think>", 1)[1]
+    assert choice["content"].strip() == want.strip() and len(want) > len(answer) // 2
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_streamed_disaggregated_path_equals_coupled(engine_set, forcer, name):
     body = forcer.chat_body(name, stream=True)
