@@ -15,7 +15,6 @@ import pytest
 
 from disagg_cli import demo
 from disagg_cli.local.runner import STATE_FILE
-from disagg_engine.testing.tiny_model import ensure_model
 from tests.harness.forced import OUTPUTS
 
 pytestmark = pytest.mark.e2e
@@ -42,4 +41,4 @@ def test_the_demos_forced_ids_are_transformers_ids(forcer):
     """The demo tokenizes with ``tokenizers`` alone; the harness's ``forcer`` (and vLLM) go through
     transformers. Texts with special tokens, tool-call markup and multi-byte characters."""
     for text in (demo.ANSWER, OUTPUTS["reasoning_tool_call"][0], OUTPUTS["multibyte"][0]):
-        assert demo.forced_ids(ensure_model(), text) == forcer.ids(text), text
+        assert demo.forced_ids(forcer.model_dir, text) == forcer.ids(text), text

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg_cli.local.runner import STATE_FILE, Deployment, find_state
-from disagg_engine.servers import stop_all, stop_group
+from disagg_cli.local.runner import KV_DIR, STATE_FILE, Deployment, find_state
+from disagg_engine.servers import ManagedServer, stop_all, stop_group
 from disagg_engine.testing.server_set import ServerSet, start_server_set
 from tests.harness.forced import Forcer
 
@@ -83,7 +83,7 @@ def _down(state: Path) -> None:
 class SharedSet(ServerSet):
     """A set whose render, prefill and decode belong to a local deployment: stopping it stops only
     the servers the harness started (``owned``); the deployment is the demo's to take down."""
-    owned: tuple = ()
+    owned: tuple[ManagedServer, ...] = ()
 
     def stop(self) -> None:
         stop_all(self.owned)
@@ -98,7 +98,7 @@ def _start_engine_set() -> SharedSet:
         raise
     tiers = {p["pool"]: AttachedServer(p["url"], p["pid"], Path(p["log"]))
              for p in Deployment.load(state).processes if p["pool"] in ("render", "prefill", "decode")}
-    return SharedSet({**tiers, **coupled.servers}, coupled.model_dir, state / "kv", coupled.log_dir,
+    return SharedSet({**tiers, **coupled.servers}, coupled.model_dir, state / KV_DIR, coupled.log_dir,
                      owned=tuple(coupled.servers.values()))
 
 

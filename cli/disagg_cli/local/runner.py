@@ -27,6 +27,7 @@ from disagg_operator.plan import build_plan
 from disagg_operator.spec import SpecError, parse_manifest
 
 STATE_FILE = "state.json"
+KV_DIR = "kv"  # ExampleConnector's shared directory, inside the state directory
 HEALTH_TIMEOUT = 900.0
 
 
@@ -68,7 +69,7 @@ def plan_processes(manifest, state_dir: Path, port: int | None) -> list[LocalPro
         template = state_dir / "chat-template.jinja"
         template.write_text(spec.model.chat_template.inline)
     plan = build_plan(spec, manifest.name, "local", **({"chat_template_path": str(template)} if template else {}))
-    engines = engine_processes(plan, state_dir / "kv", free_port)
+    engines = engine_processes(plan, state_dir / KV_DIR, free_port)
     return engines + sidecar_processes(plan, engines, free_port, state_dir, first_port=port)
 
 
@@ -87,7 +88,7 @@ def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"
     if (state_dir / STATE_FILE).exists() and any(pid_alive(p["pid"]) for p in Deployment.load(state_dir).processes):
         raise SpecError([f"{manifest.name} is already up (state in {state_dir}); run `disagg down` first"])
     shutil.rmtree(state_dir, ignore_errors=True)
-    (state_dir / "kv").mkdir(parents=True)
+    (state_dir / KV_DIR).mkdir(parents=True)
     procs = plan_processes(manifest, state_dir, port)
     for proc in procs:
         if proc.config is not None:
