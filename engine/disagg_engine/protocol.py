@@ -1,33 +1,25 @@
 """Wire model of ``/inference/v1/generate`` with the engine extension: vLLM's ``GenerateRequest``
-plus ``output_mode="derender"`` and its parser context, in both forms:
+plus ``output_mode="derender"`` (batch and streaming) and its parser context, in both forms:
 
 - ``chat_request``: the client's ``ChatCompletionRequest`` (the RFC's proposal; what batch
   ``/v1/chat/completions/derender`` takes), sent once per request;
-- ``parse_context``: the slim context vLLM 0.33's ``/render`` emits.
+- ``parse_context``: the slim context vLLM 0.33's ``/render`` emits. As in vLLM 0.33, it is read
+  only at ``derender`` and ignored otherwise, so a rendered request can go to a prefill leg as is.
+
+0.33's ``/render`` output always carries ``parse_context``, so a client that adds the chat request
+to it sends both: ``chat_request`` (the whole request, which render derived ``parse_context`` from)
+is then the one read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
-from disagg_engine.vllm_compat import ChatCompletionRequest, GenerateRequest
+from disagg_engine.vllm_compat import ChatCompletionRequest, GenerateRequest, ParseContext, empty_chat_request
 
 OutputMode = Literal["tokens", "text", "derender"]
-
-
-class ParseContext(BaseModel):
-    """vLLM 0.33's ``ParseContext``; unknown keys are kept so they can be rejected at ``derender``."""
-
-    model_config = ConfigDict(extra="allow")
-
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "none"
-    parallel_tool_calls: bool | None = True
-    include_reasoning: bool = True
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    history_tool_call_cnt: int = Field(default=0, ge=0)
 
 
 class DisaggGenerateRequest(GenerateRequest):
@@ -41,21 +33,24 @@ class DisaggGenerateRequest(GenerateRequest):
     )
     chat_request: ChatCompletionRequest | None = None
     parse_context: ParseContext | None = None
+    # Set on the copy handed to vLLM's `serve_tokens` as a `text` request (serving.py).
+    _derender: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
     def _check_parser_context(self) -> DisaggGenerateRequest:
-        if self.chat_request is not None and self.parse_context is not None:
+        if self.chat_request is not None and self.output_mode != "derender":
             raise ValueError(
-                "send either chat_request or parse_context, not both: they are two forms of the "
-                "same parser context"
+                f"chat_request is only read with output_mode='derender' (got {self.output_mode!r}); "
+                "drop chat_request or set output_mode='derender'"
             )
-        given = "chat_request" if self.chat_request is not None else "parse_context" if self.parse_context is not None else None
-        if given and self.output_mode != "derender":
-            raise ValueError(
-                f"{given} is only read with output_mode='derender' (got {self.output_mode!r}); "
-                f"drop {given} or set output_mode='derender'"
-            )
-        if self.output_mode == "derender" and self.parse_context is not None and self.parse_context.model_extra:
+        return self
+
+    @model_validator(mode="after")
+    def _check_parse_context_fields(self) -> DisaggGenerateRequest:
+        # Named as vLLM 0.33's own check, which it replaces: unknown fields fail only where the
+        # parse_context is read (at derender, without a chat_request).
+        if (self.output_mode == "derender" and self.chat_request is None and self.parse_context is not None
+                and self.parse_context.model_extra):
             unknown = sorted(self.parse_context.model_extra)
             raise ValueError(
                 f"Unknown parse_context fields {unknown}; the render server is newer than this "
@@ -63,7 +58,18 @@ class DisaggGenerateRequest(GenerateRequest):
             )
         return self
 
-    def chat_context(self) -> ChatCompletionRequest | None:
+    def for_extension(self) -> DisaggGenerateRequest:
+        """This ``derender`` request as the ``text`` request vLLM's ``serve_tokens`` runs (the same
+        engine request: detokenized, same sampling), marked so our generators derender it."""
+        copy = self.model_copy(update={"output_mode": "text"})
+        copy._derender = True
+        return copy
+
+    def history_tool_calls(self) -> int | None:
+        """Tool calls earlier in the conversation when the parser cannot count them from messages."""
+        return self.parse_context.history_tool_call_cnt if self.chat_request is None and self.parse_context else None
+
+    def chat_context(self) -> ChatCompletionRequest:
         """The parser context as the ``ChatCompletionRequest`` vLLM's chat generators read.
 
         Sampling-dependent fields follow ``sampling_params`` (what the engine actually does), so
@@ -73,17 +79,9 @@ class DisaggGenerateRequest(GenerateRequest):
         if self.chat_request is not None:
             base = self.chat_request
         elif self.parse_context is not None:
-            pc = self.parse_context
-            base = ChatCompletionRequest.model_validate({
-                "messages": [{"role": "user", "content": ""}],
-                "tools": pc.tools,
-                "tool_choice": pc.tool_choice,
-                "parallel_tool_calls": pc.parallel_tool_calls,
-                "include_reasoning": pc.include_reasoning,
-                "chat_template_kwargs": pc.chat_template_kwargs,
-            })
+            base = self.parse_context.to_chat_request()
         else:
-            base = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}]})
+            base = empty_chat_request()
         return base.model_copy(update={
             "n": sp.n,
             "stream": bool(self.stream),

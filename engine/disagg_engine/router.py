@@ -22,6 +22,8 @@ from disagg_engine.vllm_compat import (
 router = APIRouter()
 abort_router = APIRouter()
 ABORT_PATH = "/inference/v1/abort_requests"
+# Aborts run after the response; the loop keeps only weak references to tasks.
+_background: set[asyncio.Task] = set()
 
 
 def _error(status: HTTPStatus, message: str) -> JSONResponse:
@@ -65,7 +67,9 @@ async def abort_requests(raw_request: Request):
     ids = body.get("request_ids") if isinstance(body, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         return _error(HTTPStatus.BAD_REQUEST, "body must be {\"request_ids\": [str, ...]}")
-    asyncio.create_task(raw_request.app.state.engine_client.abort(ids))
+    task = asyncio.create_task(raw_request.app.state.engine_client.abort(ids))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
     return Response(status_code=200)
 
 

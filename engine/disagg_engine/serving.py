@@ -4,7 +4,9 @@
 ``RequestOutput`` stream into vLLM's own ``/v1/chat/completions`` generators, so the message and
 the deltas are exactly what the coupled endpoint returns for the same tokens: one parser per
 choice, created when the request starts and dropped when it ends or is aborted; no replay, no
-client-carried state. Only the shape is changed (``shapes.py``).
+client-carried state. Only the shape is changed (``shapes.py``). vLLM's ``serve_tokens`` runs
+such a request as ``text`` (``DisaggGenerateRequest.for_extension``): vLLM 0.33 refuses a streamed
+``derender`` itself. A batch ``derender`` with ``parse_context`` on vLLM 0.33 is 0.33's own.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from disagg_engine.vllm_compat import (
     ErrorResponse,
     OpenAIServingChat,
     ServingTokens,
+    NATIVE_DERENDER,
     chat_parser_configured,
+    chat_with_history,
     effective_chat_template_kwargs,
     make_chat_parser,
 )
@@ -32,13 +36,15 @@ class DisaggServingTokens(ServingTokens):
     live_derender_requests: int = 0
 
     async def serve_tokens(self, request: DisaggGenerateRequest, raw_request=None):
-        if request.output_mode == "derender" and (error := self._check_derender(request)) is not None:
+        if request.output_mode != "derender" or not self.has_tokenizer:
+            return await super().serve_tokens(request, raw_request)  # vLLM's checks name the mode
+        if (error := self._check_derender(request)) is not None:
             return error
-        return await super().serve_tokens(request, raw_request)
+        if NATIVE_DERENDER and not request.stream and request.chat_request is None:
+            return await super().serve_tokens(request, raw_request)  # vLLM 0.33's own batch derender
+        return await super().serve_tokens(request.for_extension(), raw_request)
 
     def _check_derender(self, request: DisaggGenerateRequest) -> ErrorResponse | None:
-        if not self.has_tokenizer:
-            return None  # vLLM's own check answers "requires a tokenizer" with the mode named
         if self.chat is None:
             return self.create_error_response(
                 "output_mode='derender' needs the chat endpoint on this server (a generate model); "
@@ -66,12 +72,13 @@ class DisaggServingTokens(ServingTokens):
         ctx = request.chat_context()
         return ctx, effective_chat_template_kwargs(self.chat, ctx)
 
-    async def serve_tokens_full_generator(self, request, result_generator, request_id, model_name, request_metadata):
-        if request.output_mode != "derender":
+    async def serve_tokens_full_generator(self, request, result_generator, request_id, model_name, request_metadata,
+                                          **kwargs):
+        if not request._derender:
             return await super().serve_tokens_full_generator(
-                request, result_generator, request_id, model_name, request_metadata)
-        ctx, kwargs = self._chat_setup(request)
-        parser = make_chat_parser(self.chat, ctx, kwargs)
+                request, result_generator, request_id, model_name, request_metadata, **kwargs)
+        ctx, template_kwargs = self._chat_setup(request)
+        parser = make_chat_parser(self.chat, ctx, template_kwargs, request.history_tool_calls())
         result = await self.chat.chat_completion_full_generator(
             ctx, self._tracked(result_generator), request_id, model_name, [],
             self.chat.renderer.tokenizer, request_metadata, parser=parser,
@@ -82,13 +89,14 @@ class DisaggServingTokens(ServingTokens):
         return shapes.derender_response(result.model_dump(), request_id)
 
     async def serve_tokens_stream_generator(self, request, result_generator, request_id, model_name, request_metadata):
-        if request.output_mode != "derender":
+        if not request._derender:
             async for event in super().serve_tokens_stream_generator(
                     request, result_generator, request_id, model_name, request_metadata):
                 yield event
             return
         ctx, kwargs = self._chat_setup(request)
-        chat_stream = self.chat.chat_completion_stream_generator(
+        chat = chat_with_history(self.chat, request.history_tool_calls())
+        chat_stream = chat.chat_completion_stream_generator(
             ctx, self._tracked(result_generator), request_id, model_name, [],
             self.chat.renderer.tokenizer, request_metadata, chat_template_kwargs=kwargs,
         )

