@@ -73,7 +73,8 @@ class Flows:
         except LegError as exc:
             if self.config.prefill.failure_policy == "fail":
                 self.metrics.prefill.labels("failed").inc()
-                raise SidecarError(503, f"Prefill failed: {exc}", type_="ServiceUnavailableError",
+                log.warning("prefill failed (failure_policy fail): %s", exc)
+                raise SidecarError(503, f"The prefill tier is unavailable ({exc.kind})", type_="ServiceUnavailableError",
                                    headers={"Retry-After": "1", wire.PREFILL_OUTCOME: "failed"}) from exc
             log.warning("prefill failed, decode prefills locally: %s", exc)
             ctx.prefill_outcomes.add("fallback")
