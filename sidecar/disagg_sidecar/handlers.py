@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestPayloadError
 
 from disagg_sidecar import allowlist, bodycheck, plan, requestlimits, wire
 from disagg_sidecar.budget import Reservation
@@ -68,7 +69,7 @@ async def read_body(request: web.Request, reservation: Reservation) -> bytes:
     except TimeoutError:
         raise SidecarError(408, f"the request body did not arrive within {config.limits.body_read_seconds:g} s "
                                 "(limits.body_read_seconds)", type_="RequestTimeoutError") from None
-    except (BadHttpMessage, zlib.error, EOFError) as exc:  # bad compression or chunking
+    except (RequestPayloadError, BadHttpMessage, zlib.error, EOFError) as exc:  # bad compression or chunking
         raise bad_request(f"the request body could not be read: {type(exc).__name__}") from None
     return b"".join(parts)
 

@@ -15,7 +15,8 @@ from collections import Counter
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
@@ -62,6 +63,14 @@ class GuardedHandler(RequestHandler):
                 del server.per_ip[self._peer]
             self._peer = None
         super().connection_lost(exc)
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, (RequestPayloadError, BadHttpMessage)):
+            # The unread rest of a body the handler refused (and logged) for being undecodable.
+            log.debug("request body left unread: %r", exc)
+            return
+        super().log_exception(*args, **kwargs)
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

@@ -192,7 +192,7 @@ def test_decode_5xx_before_the_first_byte_is_an_openai_502(engine_set, forcer, s
             assert resp.headers["Content-Type"].startswith("application/json"), (path, resp.headers)
             error = resp.json()["error"]
             assert error["type"] == "BadGatewayError" and error["code"] == 502 and error["param"] is None
-            assert error["message"].startswith("The decode engine failed: ") and "EngineCore" in error["message"]
+            assert error["message"] == "The decode engine failed: status 500", "the engine's body stays in the log"
             assert decode.count(GENERATE) == before + 1, "the decode leg is not retried"
         assert sidecar.metric("disagg_sidecar_leg_errors_total", leg="decode", kind="status") == len(requests_)
         assert sidecar.metric("disagg_sidecar_requests_total", api="chat", code="502") == 2
