@@ -445,16 +445,16 @@ def test_malformed_http_is_one_warning_and_an_openai_400(engine: FakeEngine, tmp
 
 # -- many trickling clients ---------------------------------------------------------------------------
 
-def trickle(url: str, count: int, stop: threading.Event) -> list[socket.socket]:
-    """``count`` connections that send a request a byte at a time (half stuck in their headers,
-    half in a body that claims 100 kB), one byte per connection every half second until ``stop``."""
+def trickle(url: str, count: int, stop: threading.Event, body: bool) -> list[socket.socket]:
+    """``count`` connections that send a request a byte at a time (stuck in a body that claims
+    100 kB, or in their headers), one byte per connection every half second until ``stop``."""
     host, port = url.rsplit("/", 1)[-1].split(":")
     conns = []
-    for i in range(count):
+    for _ in range(count):
         s = socket.create_connection((host, int(port)))
         s.setblocking(False)
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-        if i % 2:
+        if body:
             head += b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
         s.send(head)
         conns.append(s)
@@ -472,9 +472,21 @@ def trickle(url: str, count: int, stop: threading.Event) -> list[socket.socket]:
 
 
 @pytest.mark.engine
+def _open(conn: socket.socket) -> bool:
+    """Still open and unanswered (a non-blocking read finds nothing yet)."""
+    try:
+        return conn.recv(1) != b""  # data: answered, b"": closed
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.engine
 def test_trickling_clients_do_not_deny_service(engine_set, tmp_path: Path) -> None:
-    """600 connections trickling their headers or bodies against the default limits: a normal
-    chat request still gets its 200 within 2 s."""
+    """600 connections trickling their bodies (more than the 512 request slots) and 100 more
+    trickling their headers, against the default limits: a normal chat request still gets its
+    200 within 2 s, and the trickling connections are still being read when it does."""
     from tests.sidecar.support import sidecar_config
 
     body = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
@@ -483,13 +495,15 @@ def test_trickling_clients_do_not_deny_service(engine_set, tmp_path: Path) -> No
         assert requests.post(sidecar.url + CHAT, json=body, timeout=30).status_code == 200
         alone = time.monotonic() - started
         stop = threading.Event()
-        conns = trickle(sidecar.url, 600, stop)
+        conns = trickle(sidecar.url, 600, stop, body=True) + trickle(sidecar.url, 100, stop, body=False)
         try:
             started = time.monotonic()
             resp = requests.post(sidecar.url + CHAT, json=body, timeout=30)
             loaded = time.monotonic() - started
             assert resp.status_code == 200, resp.text
             assert loaded < 2.0, loaded
+            still = sum(_open(c) for c in conns)
+            assert still == len(conns), f"{len(conns) - still} trickling connections ended early"
         finally:
             stop.set()
             for s in conns:
