@@ -25,7 +25,7 @@ from disagg_sidecar.errors import SidecarError, bad_request
 # tracemalloc on lists of empty dicts / empty lists / short strings / ints, rounded up).
 OBJECT_BYTES = 200  # a dict with a few keys (184-232; 64 empty) and its slot in the parent
 ARRAY_BYTES = 80  # a list (56) plus its slot and growth
-ITEM_BYTES = 40  # per comma or colon (a value or a key): its object (int 28, float 24) and slot
+ITEM_BYTES = 48  # per comma or colon (a value or a key): its object (int 32, float 24), slot and growth
 STRING_BYTES = 64  # per string, beyond its characters: the str header (49+) rounded by the allocator
 PARSE_BASE_BYTES = 32 * 1024 * 1024  # the fixed part of the per-request bound
 BOUND_FACTOR = 4  # the per-byte part

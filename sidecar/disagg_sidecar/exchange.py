@@ -68,6 +68,16 @@ def leg_failure(exc: LegError) -> SidecarError:
                         headers={"Retry-After": "1"})
 
 
+def streamed_error(error: Mapping[str, Any]) -> SidecarError:
+    """An error event in the decode stream: a 4xx as the engine said it; anything else a 502
+    whose detail stays in the log."""
+    code = error.get("code")
+    if isinstance(code, int) and 400 <= code < 500:
+        return SidecarError(code, str(error.get("message")))
+    log.warning("decode stream error event: %.500s", error)
+    return SidecarError(502, "The decode engine failed during the stream", type_="BadGatewayError")
+
+
 def with_raw_field(body: bytes, key: str, raw: bytes) -> bytes:
     """``body`` (a serialised JSON object) with ``key: raw`` added, without re-serialising ``raw``."""
     assert body.endswith(b"}")

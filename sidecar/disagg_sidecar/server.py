@@ -77,7 +77,7 @@ class GuardedHandler(RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
         if status >= 500:
-            log.error("internal error handling a request from %s: %r", request.remote, exc)
+            log.error("internal error handling a request from %s", request.remote, exc_info=exc)
             text = "Internal sidecar error"
         else:  # the client's bytes are not HTTP: say so, without repeating them to anyone
             log.warning("malformed HTTP request from %s (%s): answered %d", request.remote,

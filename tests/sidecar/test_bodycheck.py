@@ -11,7 +11,7 @@ from disagg_sidecar import bodycheck, requestlimits
 from disagg_sidecar.budget import MemoryBudget, Reservation
 from disagg_sidecar.config import Limits
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.exchange import leg_failure
+from disagg_sidecar.exchange import leg_failure, streamed_error
 from disagg_sidecar.upstream import LegError
 from tests.sidecar.test_layers import TRANSPORT, imports
 
@@ -158,5 +158,9 @@ def test_upstream_5xx_bodies_stay_out_of_client_errors() -> None:
     for kind in ("connect", "timeout", "disconnect"):
         error = leg_failure(LegError("prefill", kind, "http://10.0.0.5:8200"))
         assert b"10.0.0.5" not in error.body and error.status == 503
+    streamed = streamed_error({"code": 500, "message": "EngineCore died at 10.0.0.5:8200"})
+    assert streamed.status == 502 and b"10.0.0.5" not in streamed.body
+    assert streamed_error({"code": 400, "message": "too long"}).message == "too long"
+    assert streamed_error({"code": "x", "message": "?"}).status == 502
     four = SidecarError.upstream(400, b'{"error": {"message": "bad", "type": "BadRequestError"}}', "render")
     assert four.status == 400 and four.message == "bad", "engines' own 4xx answers pass"
