@@ -47,7 +47,11 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
         status = exc.status
         if exc.status >= 500:
             log.warning("%s %s -> %s: %s", request.method, request.path, exc.status, exc.message)
-        return web.Response(body=exc.body, status=exc.status, content_type="application/json", headers=exc.headers)
+        response = web.Response(body=exc.body, status=exc.status, content_type="application/json",
+                                headers=exc.headers)
+        if not request.content.at_eof():
+            response.force_close()  # the rest of the body is not read (aiohttp would linger and read it)
+        return response
     except web.HTTPException as exc:  # aiohttp's own 404/405/413: same error shape as everything else
         status = exc.status
         return web.Response(body=error_bytes(exc.status, exc.reason), status=exc.status, content_type="application/json")

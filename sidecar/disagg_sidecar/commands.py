@@ -15,6 +15,7 @@ from disagg_sidecar.app import build_app
 from disagg_sidecar.config import SidecarConfig, load_config
 from disagg_sidecar.keys import STATE
 from disagg_sidecar.logs import setup_logging
+from disagg_sidecar.server import SidecarRunner
 
 log = logging.getLogger("disagg_sidecar")
 CUT_SECONDS = 1.0  # after the drain: what handlers still running get before they are cancelled
@@ -27,7 +28,7 @@ async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its legs.
     # The drain below is the grace period; shutdown only lets responses that just ended flush
     # (as aiohttp's own shutdown_timeout it would add a second drain_seconds to the deadline).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_SECONDS)
+    runner = SidecarRunner(app, config, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
     await site.start()

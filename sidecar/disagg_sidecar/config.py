@@ -28,7 +28,8 @@ few additions (endpoint lists, DNS discovery, limits, capabilities). Example::
     timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600}
     retries: 1
     max_body_bytes: 16777216
-    limits: {max_concurrent_requests: 512, drain_seconds: 30, coalesce: true}
+    limits: {max_concurrent_requests: 512, drain_seconds: 30, coalesce: true, max_n: 128, max_prompts: 64,
+             max_legs: 256, max_json_depth: 64, header_read_seconds: 10, body_read_seconds: 30}
     engine:                              # the operator fills this from the spec
       vllm_version: 0.33.0
       extension: true                    # decode runs Disagg's engine extension
@@ -218,6 +219,16 @@ class Limits(_Model):
     coalesce: bool = Field(True, description="Merge generate chunks that arrive while a derender call is in flight.")
     keepalive_seconds: float = Field(4.0, gt=0, lt=5, description="Idle upstream connections; below vLLM's 5 s.")
     health_interval_seconds: float = Field(2.0, gt=0)
+    # Bad and slow clients: each limit is refused with an error naming it (docs/security.md).
+    max_n: int = Field(128, ge=1, description="`n` per prompt (OpenAI's own maximum).")
+    max_prompts: int = Field(64, ge=1, description="Prompts in one completions request.")
+    max_legs: int = Field(256, ge=3, description="1 render + per prompt 1 prefill and `n` decode sequences.")
+    max_json_depth: int = Field(64, ge=2, le=512)
+    header_read_seconds: float = Field(10, gt=0, description="To complete headers; also the idle keep-alive.")
+    body_read_seconds: float = Field(30, gt=0, description="From the headers to the whole body: then 408.")
+    memory_budget_bytes: int = Field(256 << 20, ge=16 << 20, description="Bodies in the sidecar, 4 bytes per "
+                                                                         "body byte; beyond: 503 + Retry-After.")
+    max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
 
 
 class EngineFeatures(BaseModel):

@@ -42,7 +42,10 @@ class SidecarError(Exception):
 
     @classmethod
     def upstream(cls, status: int, body: bytes, leg: str) -> SidecarError:
-        """An engine's own 4xx answer, passed through unchanged when it is already OpenAI-shaped."""
+        """An engine's own 4xx answer, passed through unchanged when it is already OpenAI-shaped.
+        A 5xx body (tracebacks, addresses) never reaches the client."""
+        if status >= 500:
+            return cls(502, f"The {leg} tier failed (status {status})", type_="BadGatewayError")
         try:
             parsed = json.loads(body)
             if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):

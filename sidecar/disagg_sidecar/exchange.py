@@ -4,6 +4,7 @@ how a failed leg looks to the client, and the client's event stream."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,19 +16,23 @@ from disagg_sidecar import legs, streaming, wire
 from disagg_sidecar.errors import SidecarError, error_body
 from disagg_sidecar.upstream import InFlight, LegError, transport_error
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Context:
     """Per request: the id every leg carries, the headers they get, where the prefill goes."""
 
-    request_id: str
+    request_id: str  # the client's (or a new) id: logs, response ids and headers, render/derender legs
     headers: dict[str, str]
     prefill_target: str | None = None
+    engine_id: str | None = None  # X-Request-Id of the engine legs, unique per request; None: request_id
     inflight: InFlight = field(init=False)
     prefill_outcomes: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.inflight = InFlight(legs.engine_request_id(self.request_id), self.headers)
+        engine_id = self.engine_id or self.request_id
+        self.inflight = InFlight(legs.engine_request_id(engine_id), {**self.headers, wire.REQUEST_ID: engine_id})
 
     @property
     def prefill_header(self) -> str | None:
@@ -50,15 +55,27 @@ class Prefilled:
 
 
 def leg_failure(exc: LegError) -> SidecarError:
-    """A leg that failed after its retries, as the client sees it."""
+    """A leg that failed after its retries, as the client sees it (the details only in the log)."""
+    log.warning("%s", exc)
     if exc.leg == "decode":
         if exc.kind == "connect":
             return SidecarError(503, "The decode engine is not reachable; is it running?",
                                 type_="ServiceUnavailableError", headers={"Retry-After": "1"})
-        detail = exc.body.decode(errors="replace")[:500] if exc.body else exc.kind
+        # Its body stays in the log (LegError's text): tracebacks and addresses are not the client's.
+        detail = f"status {exc.status}" if exc.status else exc.kind
         return SidecarError(502, f"The decode engine failed: {detail}", type_="BadGatewayError")
     return SidecarError(503, f"The {exc.leg} tier is unavailable ({exc.kind})", type_="ServiceUnavailableError",
                         headers={"Retry-After": "1"})
+
+
+def streamed_error(error: Mapping[str, Any]) -> SidecarError:
+    """An error event in the decode stream: a 4xx as the engine said it; anything else a 502
+    whose detail stays in the log."""
+    code = error.get("code")
+    if isinstance(code, int) and 400 <= code < 500:
+        return SidecarError(code, str(error.get("message")))
+    log.warning("decode stream error event: %.500s", error)
+    return SidecarError(502, "The decode engine failed during the stream", type_="BadGatewayError")
 
 
 def with_raw_field(body: bytes, key: str, raw: bytes) -> bytes:

@@ -26,7 +26,7 @@ from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.connectors import KVConnector
 from disagg_sidecar.derender_fixes import generate_for_derender
 from disagg_sidecar.errors import SidecarError, error_body
-from disagg_sidecar.exchange import Context, Prefilled, SSEWriter, chunks, leg_failure, with_raw_field
+from disagg_sidecar.exchange import Context, Prefilled, SSEWriter, chunks, leg_failure, streamed_error, with_raw_field
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.upstream import LegError, Upstream
 from disagg_sidecar.usage import add_usage, cached_tokens
@@ -73,7 +73,9 @@ class Flows:
         except LegError as exc:
             if self.config.prefill.failure_policy == "fail":
                 self.metrics.prefill.labels("failed").inc()
-                raise SidecarError(503, f"Prefill failed: {exc}", type_="ServiceUnavailableError",
+                log.warning("prefill failed (failure_policy fail): %s", exc)
+                raise SidecarError(503, f"The prefill tier is unavailable ({exc.kind})",
+                                   type_="ServiceUnavailableError",
                                    headers={"Retry-After": "1", wire.PREFILL_OUTCOME: "failed"}) from exc
             log.warning("prefill failed, decode prefills locally: %s", exc)
             ctx.prefill_outcomes.add("fallback")
@@ -327,7 +329,7 @@ class Flows:
             if chained is not None:
                 await chained.cancel()
         if error is not None:
-            raise SidecarError(int(error.get("code") or 500), str(error.get("message")))
+            raise streamed_error(error)
         return usage[-1] if usage else None
 
     # -- GenerateRequest clients -------------------------------------------------------------------

@@ -7,15 +7,19 @@ sent, so a bad request never costs an upstream connection.
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import re
 import uuid
+import zlib
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestPayloadError
 
-from disagg_sidecar import allowlist, plan, wire
+from disagg_sidecar import allowlist, bodycheck, plan, requestlimits, wire
+from disagg_sidecar.budget import Reservation
 from disagg_sidecar.errors import SidecarError, bad_request
 from disagg_sidecar.exchange import Context
 from disagg_sidecar.flows import Flows
@@ -23,27 +27,59 @@ from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import CONTENT_TYPE
 
+log = logging.getLogger(__name__)
+
 # Request ids end up in engine request ids and response ids: keep them printable and short.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _TRACESTATE_MAX = 512
 
 
-async def read_json(request: web.Request) -> tuple[bytes, Any]:
-    limit = request.app[STATE].config.max_body_bytes
+def _too_large(limit: int) -> SidecarError:
+    return SidecarError(413, f"request body larger than {limit} bytes (max_body_bytes)",
+                        type_="RequestEntityTooLargeError")
+
+
+def _over_budget() -> SidecarError:
+    return SidecarError(503, "the sidecar's memory budget for request bodies is in use (limits.memory_budget_bytes)",
+                        type_="ServiceUnavailableError", headers={"Retry-After": "1"})
+
+
+async def read_body(request: web.Request, reservation: Reservation) -> bytes:
+    """The body as it arrives, decompressed bytes counted against ``max_body_bytes`` and the memory
+    budget (4 bytes per body byte: what holding and parsing it may cost) chunk by chunk, all
+    within ``limits.body_read_seconds``."""
+    config = request.app[STATE].config
+    limit = config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
-        raise SidecarError(413, f"request body larger than {limit} bytes", type_="RequestEntityTooLargeError")
+        raise _too_large(limit)
     if request.content_type != "application/json":
-        raise bad_request(f"Content-Type must be application/json (got {request.content_type!r})")
+        raise bad_request(f"Content-Type must be application/json (got {request.content_type[:100]!r})")
+    parts: list[bytes] = []
+    size = 0
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise SidecarError(413, f"request body larger than {limit} bytes",
-                           type_="RequestEntityTooLargeError") from exc
-    try:
-        return raw, json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+        async with asyncio.timeout(config.limits.body_read_seconds):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                if not reservation.grow_to(bodycheck.BOUND_FACTOR * size):
+                    raise _over_budget()
+                parts.append(chunk)
+    except TimeoutError:
+        raise SidecarError(408, f"the request body did not arrive within {config.limits.body_read_seconds:g} s "
+                                "(limits.body_read_seconds)", type_="RequestTimeoutError") from None
+    except (RequestPayloadError, BadHttpMessage, zlib.error, EOFError) as exc:  # bad compression or chunking
+        raise bad_request(f"the request body could not be read: {type(exc).__name__}") from None
+    return b"".join(parts)
+
+
+async def read_json(request: web.Request, reservation: Reservation) -> tuple[bytes, Any]:
+    raw = await read_body(request, reservation)
+    depth = request.app[STATE].config.limits.max_json_depth
+    if not reservation.grow_to(bodycheck.check(raw, depth)):
+        raise _over_budget()
+    return raw, bodycheck.loads(raw, depth)
 
 
 def context(request: web.Request, body: Any) -> Context:
@@ -54,7 +90,8 @@ def context(request: web.Request, body: Any) -> Context:
     body_id = body.get("request_id") if isinstance(body, dict) else None
     if not ids and isinstance(body_id, str) and _REQUEST_ID.match(body_id):
         ids = [body_id]  # what vLLM itself uses when there is no header
-    request_id = ids[0] if ids else uuid.uuid4().hex
+    # Clients may repeat ids; the engines get one of their own per request (aborts go by it).
+    request_id, engine_id = (ids[0], f"{ids[0]}-{uuid.uuid4().hex[:12]}") if ids else (uuid.uuid4().hex, None)
     headers = {wire.REQUEST_ID: request_id}
     traceparent = request.headers.get(wire.TRACEPARENT)
     if traceparent and _TRACEPARENT.match(traceparent):  # an invalid one is dropped, as W3C says
@@ -66,37 +103,57 @@ def context(request: web.Request, body: Any) -> Context:
     if state.config.prefill.trust_prefiller_header:
         target = allowlist.select_prefill(request.headers.getall(wire.PREFILLER_HOST_PORT, []),
                                           request.app[UPSTREAM].prefill.endpoints())
-    return Context(request_id, headers, target)
+    return Context(request_id, headers, target, engine_id=engine_id)
 
 
 async def _serve(request: web.Request, api: plan.Api) -> web.StreamResponse:
     state = request.app[STATE]
-    # Check and reserve the slot with no await in between: a slot taken only after the body is
-    # read would let any number of slow uploads pass the check together.
-    if not state.try_reserve():
-        request.app[METRICS].rejected.labels("concurrency").inc()
-        raise SidecarError(503, "too many concurrent requests", type_="ServiceUnavailableError",
-                           headers={"Retry-After": "1"})
+    if state.full():  # refused before reading a byte of the body when no slot is free now
+        raise _no_slot(request)
+    reservation = Reservation(state.budget)
+    state.start_reading()
     try:
-        raw, body = await read_json(request)
-        if api == "generate":
-            plan.check_generate_request(body)
-        else:
-            plan.check_openai_request(api, body)
-        ctx = context(request, body)
-        request_id_var.set(ctx.request_id)
-        flows: Flows = request.app[FLOWS]
+        # A slow upload holds no slot (only its connection and its share of the memory budget,
+        # both bounded): the slot is taken once the body is in and checked, with no await between
+        # the check and the take.
         try:
-            if api == "chat":
-                return await flows.chat(request, raw, body, ctx)
-            if api == "completions":
-                return await flows.completions(request, raw, body, ctx)
-            return await flows.generate(request, body, ctx)
-        except (asyncio.CancelledError, ConnectionResetError):
-            request.app[UPSTREAM].abort(ctx.inflight)  # the client is gone
-            raise
+            raw, body = await read_json(request, reservation)
+            if api == "generate":
+                plan.check_generate_request(body)
+            else:
+                plan.check_openai_request(api, body)
+            requestlimits.check(api, body, state.config.limits)
+            ctx = context(request, body)
+        finally:
+            state.done_reading()
+        if not state.try_reserve():
+            raise _no_slot(request)
+        try:
+            request_id_var.set(ctx.request_id)
+            return await _run(request, api, raw, body, ctx)
+        finally:
+            state.release()
     finally:
-        state.release()
+        reservation.release()
+
+
+def _no_slot(request: web.Request) -> SidecarError:
+    request.app[METRICS].rejected.labels("concurrency").inc()
+    return SidecarError(503, "too many concurrent requests", type_="ServiceUnavailableError",
+                        headers={"Retry-After": "1"})
+
+
+async def _run(request: web.Request, api: plan.Api, raw: bytes, body: Any, ctx: Context) -> web.StreamResponse:
+    flows: Flows = request.app[FLOWS]
+    try:
+        if api == "chat":
+            return await flows.chat(request, raw, body, ctx)
+        if api == "completions":
+            return await flows.completions(request, raw, body, ctx)
+        return await flows.generate(request, body, ctx)
+    except (asyncio.CancelledError, ConnectionResetError):
+        request.app[UPSTREAM].abort(ctx.inflight)  # the client is gone
+        raise
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -117,8 +174,12 @@ async def models(request: web.Request) -> web.Response:
     try:
         status, body = await up.get_json(up.decode_url, wire.MODELS)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise SidecarError(503, f"The decode engine is not reachable: {exc}", type_="ServiceUnavailableError",
+        log.warning("GET %s on the decode engine failed: %r", wire.MODELS, exc)
+        raise SidecarError(503, "The decode engine is not reachable", type_="ServiceUnavailableError",
                            headers={"Retry-After": "1"}) from exc
+    if status >= 500:
+        log.warning("GET %s on the decode engine answered %d: %r", wire.MODELS, status, body[:300])
+        raise SidecarError.upstream(status, body, "decode")
     return web.Response(body=body, status=status, content_type="application/json")
 
 

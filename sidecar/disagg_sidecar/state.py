@@ -10,6 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg_sidecar.budget import MemoryBudget
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.plan import effective_capabilities
 
@@ -24,10 +25,13 @@ class SidecarState:
     healthy: dict[str, bool] = field(default_factory=dict)  # tier -> reachable
     _failures: dict[str, int] = field(default_factory=dict)
     draining: bool = False
-    in_flight: int = 0
+    in_flight: int = 0  # requests holding a slot (their body read and checked)
+    reading: int = 0  # requests still receiving their body (no slot: memory budget and deadline bound them)
+    budget: MemoryBudget = field(init=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
+        self.budget = MemoryBudget(self.config.limits.memory_budget_bytes)
         self._idle.set()
 
     def record_probe(self, tier: str, ok: bool) -> None:
@@ -76,7 +80,18 @@ class SidecarState:
 
     def release(self) -> None:
         self.in_flight -= 1
-        if self.in_flight == 0:
+        self._maybe_idle()
+
+    def start_reading(self) -> None:
+        self.reading += 1
+        self._idle.clear()
+
+    def done_reading(self) -> None:
+        self.reading -= 1
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if self.in_flight == 0 and self.reading == 0:
             self._idle.set()
 
     async def wait_idle(self, timeout: float) -> bool:

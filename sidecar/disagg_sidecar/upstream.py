@@ -66,7 +66,9 @@ class InFlight:
     """Engine URLs a request currently has a generate leg on (to abort them on disconnect)."""
 
     engine_request_id: str
-    headers: Mapping[str, str] = field(default_factory=dict)  # the legs' (request id, trace context)
+    # The engine legs' headers: the request's unique engine id as X-Request-Id (so that clients
+    # repeating an id cannot abort each other), the trace context.
+    headers: Mapping[str, str] = field(default_factory=dict)
     urls: set[str] = field(default_factory=set)
 
 
@@ -111,6 +113,8 @@ class Upstream:
         """The leg on ``first`` (or a picked endpoint), retried elsewhere on failure; 2xx/4xx returned."""
         tried: list[str] = []
         error: LegError | None = None
+        if inflight is not None:
+            headers = inflight.headers
         for attempt in range(1 + self.config.retries):
             url = first if attempt == 0 and first else (pool.pick(exclude=tried) or pool.pick())
             if url is None:
@@ -150,6 +154,8 @@ class Upstream:
         (which makes vLLM abort the request)."""
         started = time.monotonic()
         url = self.decode_url
+        if inflight is not None:
+            headers = inflight.headers
         try:
             resp = await self.session.post(url + wire.GENERATE, data=body, headers={**headers, **JSON_HEADERS},
                                            timeout=self.timeouts["decode"])

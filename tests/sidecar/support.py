@@ -9,21 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 import requests
+import yaml
 from aiohttp import web
 
 from disagg_engine.servers import free_port
 from disagg_sidecar.app import build_app
 from disagg_sidecar.config import SidecarConfig
+from disagg_sidecar.server import SidecarRunner
 
 SERVED = "tiny-qwen3"
 
@@ -85,7 +92,7 @@ def run_sidecar(config: dict[str, Any]) -> Iterator[RunningSidecar]:
     lt = LoopThread()
 
     async def start() -> web.AppRunner:
-        runner = web.AppRunner(build_app(cfg), handler_cancellation=True, access_log=None)
+        runner = SidecarRunner(build_app(cfg), cfg, handler_cancellation=True, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         return runner
@@ -224,3 +231,123 @@ def long_body(forcer, tokens: int, stream: bool = True, **extra) -> dict:
     text = "word" + " word" * (tokens - 2)  # one token per word, plus EOS
     assert len(forcer.ids(text)) == tokens
     return forcer.chat_body("plain", stream=stream, vllm_xargs=forcer.xargs(text), max_tokens=tokens + 8, **extra)
+
+
+# -- engine-free upstreams and the sidecar as its own process ---------------------------------------
+
+REFUSED = json.dumps({"error": {"message": "refused by the fake engine", "type": "BadRequestError",
+                                "param": None, "code": 400}}).encode()
+
+
+@dataclass
+class FakeEngine:
+    """An upstream that records every request and answers every POST with an OpenAI-shaped 400
+    (GET /health 200, /v1/models one model): what a test needs to count what the sidecar
+    forwards, without engines. ``answer`` replaces the 400 for a path with (status, body)."""
+
+    url: str = ""
+    calls: list[Recorded] = field(default_factory=list)
+    answer: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+
+    def posts(self) -> list[Recorded]:
+        return [c for c in self.calls if c.path not in ("/health", "/v1/models", "/disagg/v1/capabilities")]
+
+
+@contextmanager
+def fake_engine() -> Iterator[FakeEngine]:
+    engine = FakeEngine()
+    lt = LoopThread()
+    port = free_port()
+
+    async def handle(request: web.Request) -> web.Response:
+        raw = await request.read()
+        engine.calls.append(Recorded(request.path, dict(request.headers), raw))
+        if (fault := engine.answer.get(request.path)) is not None:
+            return web.Response(status=fault[0], body=fault[1], content_type="application/json")
+        if request.method == "GET":
+            if request.path == "/health":
+                return web.Response(text="")
+            if request.path == "/v1/models":
+                return web.json_response({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+            return web.Response(status=404)
+        return web.Response(status=400, body=REFUSED, content_type="application/json")
+
+    async def start() -> web.AppRunner:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = lt.run(start())
+    engine.url = f"http://127.0.0.1:{port}"
+    try:
+        yield engine
+    finally:
+        lt.run(runner.cleanup())
+        lt.close()
+
+
+def fake_config(engine: FakeEngine, **overrides: Any) -> dict[str, Any]:
+    """A sidecar config whose every tier is ``engine``."""
+    config: dict[str, Any] = {
+        "served_model_name": SERVED,
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "decode": {"url": engine.url},
+        "render": {"url": engine.url},
+        "prefill": {"mode": "remote", "discovery": {"kind": "static", "urls": [engine.url]}},
+        "kv_connector": "ExampleConnector",
+        "engine": {"vllm_version": "0.32.0", "extension": True},
+    }
+    config.update(overrides)
+    return config
+
+
+@dataclass
+class SidecarProcess:
+    """``disagg sidecar --config FILE`` as its own process."""
+
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def logged(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+    def status(self, key: str) -> int:
+        """A /proc/<pid>/status value in bytes (VmRSS, VmHWM)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    def reset_peak(self) -> None:
+        """Start VmHWM again from the current RSS (Linux: write 5 to clear_refs)."""
+        Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+
+
+@contextmanager
+def sidecar_process(config: dict[str, Any], tmp_path: Path) -> Iterator[SidecarProcess]:
+    port = free_port()
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
+    log_path = tmp_path / "sidecar.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "disagg_cli.main", "sidecar", "--config", str(path)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    sidecar = SidecarProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+    def ready() -> bool:
+        try:
+            return requests.get(sidecar.url + "/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    try:
+        assert wait_for(ready, timeout=60), log_path.read_text()
+        yield sidecar
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

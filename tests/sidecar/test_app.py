@@ -95,7 +95,9 @@ def test_generate_request_client(engine_set, forcer, proxied, stream: bool) -> N
         assert chat_stream_view(events) == chat_stream_view(list(sse_events(coupled.iter_lines())))
     else:
         out = resp.json()
-        assert out["output_mode"] == "derender" and out["request_id"] == f"generate-tokens-gen-{stream}"
+        # The engine's answer passes through: its id is the request's unique engine id.
+        assert out["output_mode"] == "derender" and out["request_id"].startswith(f"generate-tokens-gen-{stream}-")
+        assert resp.headers["X-Request-Id"] == f"gen-{stream}"
         assert chat_view(out) == chat_view(coupled.json())
     # The prefill leg: tokens, one token, not streamed, no chat context; observed by the engine too.
     (prefill_leg,) = proxies["prefill"].bodies(GENERATE)
@@ -140,15 +142,22 @@ def test_legs_share_the_request_id_and_get_the_trace_context(forcer, proxied) ->
         "traceparent": traceparent, "tracestate": "vendor=1", "X-Request-Id": "trace-me",
         "x-prefiller-host-port": _host_port(proxies["prefill"].url), "Authorization": "Bearer secret"})
     assert resp.status_code == 200 and resp.json()["id"] == "chatcmpl-trace-me"
+    assert resp.headers["X-Request-Id"] == "trace-me"
     legs = [c for p in proxies.values() for c in p.calls if c.path != "/health" and "capabilities" not in c.path]
     assert {c.path for c in legs} == {"/v1/chat/completions/render", GENERATE}
     assert len(legs) == 3
+    engine_ids = set()
     for call in legs:
         headers = {k.lower(): v for k, v in call.headers.items()}
-        assert headers["x-request-id"] == "trace-me"
+        if call.path == GENERATE:  # the engines get the request's own id, the client's as its prefix
+            assert headers["x-request-id"].startswith("trace-me-") and len(headers["x-request-id"]) == 21
+            engine_ids.add(headers["x-request-id"])
+        else:
+            assert headers["x-request-id"] == "trace-me"
         assert headers["traceparent"] == traceparent and headers["tracestate"] == "vendor=1"
         assert "x-prefiller-host-port" not in headers, "stripped before forwarding"
         assert "authorization" not in headers, "client credentials stay at the sidecar"
+    assert len(engine_ids) == 1, "prefill and decode legs share one engine id"
 
 
 def _trace_headers_ok(call, request_id: str, traceparent: str) -> bool:
@@ -182,8 +191,11 @@ def test_derender_and_abort_calls_get_the_trace_context(engine_set, forcer, prox
     stream.close()  # the client goes away: the sidecar aborts the decode leg
     assert wait_for(lambda: proxies["decode"].count("/inference/v1/abort_requests") == 1, timeout=10)
     (abort,) = [c for c in proxies["decode"].calls if c.path == "/inference/v1/abort_requests"]
-    assert abort.body == {"request_ids": [engine_request_id("trace-abort")]}
-    assert _trace_headers_ok(abort, "trace-abort", traceparent), abort.headers
+    (engine_id,) = [h["x-request-id"] for c in proxies["decode"].calls if c.path == GENERATE
+                    for h in [{k.lower(): v for k, v in c.headers.items()}] if h["x-request-id"].startswith("trace-abort")]
+    assert engine_id.startswith("trace-abort-") and len(engine_id) == len("trace-abort-") + 12, engine_id
+    assert abort.body == {"request_ids": [engine_request_id(engine_id)]}
+    assert _trace_headers_ok(abort, engine_id, traceparent), abort.headers
     assert wait_for(lambda: engine_metric(decode, "vllm:num_requests_running") == 0, timeout=10)
 
 
@@ -349,9 +361,10 @@ def _start_upload(url: str, data: bytes, sent: int) -> http.client.HTTPConnectio
     return conn
 
 
-def test_slow_uploads_hold_their_slots(engine_set, forcer) -> None:
-    """A request takes its slot before its body is read: with N uploads still sending their
-    bodies, request N+1 is refused at once (503, Retry-After) and nothing is sent upstream."""
+def test_slow_uploads_hold_no_slot(engine_set, forcer) -> None:
+    """A request takes its slot once its body is in: with as many uploads still sending their
+    bodies as there are slots, another request is served at once; the uploads are served when
+    they finish, and a request finding every slot taken is refused (503, Retry-After) before any leg."""
     limit = 2
     with recording_proxy(engine_set.url("render")) as render:
         config = sidecar_config(engine_set, render={"url": render.url}, limits={"max_concurrent_requests": limit})
@@ -360,14 +373,10 @@ def test_slow_uploads_hold_their_slots(engine_set, forcer) -> None:
             data = json.dumps(forcer.chat_body("plain")).encode()
             uploads = [_start_upload(url, data, len(data) // 2) for _ in range(limit)]
             try:
-                assert wait_for(lambda: sidecar.app[STATE].in_flight == limit, timeout=10), \
-                    f"{sidecar.app[STATE].in_flight} slots taken by {limit} uploads in progress"
+                assert wait_for(lambda: sidecar.app[STATE].reading == limit, timeout=10)
+                assert sidecar.app[STATE].in_flight == 0
                 resp = requests.post(url, json=forcer.chat_body("plain"), timeout=30)
-                assert resp.status_code == 503 and resp.headers["Retry-After"] == "1", resp.text
-                assert resp.json()["error"]["type"] == "ServiceUnavailableError"
-                assert sidecar.metric("disagg_sidecar_rejected_requests_total", reason="concurrency") == 1
-                assert sidecar.metric("disagg_sidecar_requests_in_flight") == limit
-                assert render.count("/v1/chat/completions/render") == 0
+                assert resp.status_code == 200, resp.text
                 for conn in uploads:  # the uploads finish and are served normally
                     conn.send(data[len(data) // 2:])
                 for conn in uploads:
@@ -377,8 +386,9 @@ def test_slow_uploads_hold_their_slots(engine_set, forcer) -> None:
             finally:
                 for conn in uploads:
                     conn.close()
-            assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=10)
-            assert render.count("/v1/chat/completions/render") == limit
+            assert wait_for(lambda: sidecar.app[STATE].in_flight == 0 and sidecar.app[STATE].reading == 0, timeout=10)
+            assert render.count("/v1/chat/completions/render") == limit + 1
+            assert sidecar.app[STATE].budget.used == 0, "every reservation given back"
 
 
 def test_done_is_never_sent_to_derender(engine_set, forcer) -> None:

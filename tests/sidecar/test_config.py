@@ -106,3 +106,14 @@ def test_importing_the_sidecar_imports_no_vllm_or_torch() -> None:
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_abuse_limits_have_safe_defaults_and_are_validated() -> None:
+    limits = SidecarConfig.model_validate(MINIMAL).limits
+    assert (limits.max_n, limits.max_prompts, limits.max_legs, limits.max_json_depth) == (128, 64, 256, 64)
+    assert limits.header_read_seconds == 10 and limits.body_read_seconds == 30
+    assert limits.memory_budget_bytes == 256 << 20 and limits.max_connections_per_ip == 0
+    for bad in ({"max_n": 0}, {"max_json_depth": 1}, {"max_json_depth": 100_000}, {"body_read_seconds": 0},
+                {"memory_budget_bytes": 1024}, {"max_connections_per_ip": -1}, {"max_legs": 2}):
+        with pytest.raises(ValidationError):
+            SidecarConfig.model_validate({**MINIMAL, "limits": bad})

@@ -1,0 +1,49 @@
+"""Work limits on one request (pure): ``n``, prompts per completions request, and the engine
+work a request may start, each refused with a 400 naming the limit before any leg is sent."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from disagg_sidecar import wire
+from disagg_sidecar.config import Limits
+from disagg_sidecar.errors import bad_request
+
+
+def prompt_count(prompt: Any) -> int:
+    """Prompts in a completions ``prompt``: a string or a token list is one, a list of them each."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def choices(api: str, body: Mapping[str, Any]) -> Any:
+    if api == "generate":
+        sampling = body.get(wire.SAMPLING_PARAMS)
+        return sampling.get("n") if isinstance(sampling, Mapping) else None
+    return body.get("n")
+
+
+def legs(prompts: int, n: int, rendered: bool) -> int:
+    """1 render (not for generate clients) + per prompt one prefill leg and ``n`` decode sequences."""
+    return int(rendered) + prompts * (1 + n)
+
+
+def check(api: str, body: Mapping[str, Any], limits: Limits) -> None:
+    n = choices(api, body)
+    param = "n" if api != "generate" else f"{wire.SAMPLING_PARAMS}.n"
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise bad_request("n must be a positive integer", param)
+    n = n or 1
+    if n > limits.max_n:
+        raise bad_request(f"n is {n}; this server allows at most {limits.max_n} (limits.max_n)", param)
+    prompts = prompt_count(body.get("prompt")) if api == "completions" else 1
+    if prompts > limits.max_prompts:
+        raise bad_request(f"the request has {prompts} prompts; this server allows at most {limits.max_prompts} "
+                          "per request (limits.max_prompts)", "prompt")
+    total = legs(prompts, n, api != "generate")
+    if total > limits.max_legs:
+        raise bad_request(f"the request needs {total} engine legs (1 render + {prompts} prompt(s) x (1 prefill + "
+                          f"{n} decode sequences)); this server allows at most {limits.max_legs} "
+                          "(limits.max_legs)", "n")
