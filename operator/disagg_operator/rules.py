@@ -16,7 +16,7 @@ Conventions that keep the two sides equal:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,13 @@ class Rule:
     message: str
     check: Callable[[Any], bool]  # True when valid; gets the target model instance (ROOT: the name)
     field_path: str | None = None  # where the API server reports the error, relative to the target
+    # A message naming what broke the rule: CEL messageExpression and the same words in Python.
+    # ``message`` stays the fallback (the API server uses it if the expression cannot be evaluated).
+    message_cel: str | None = None
+    explain: Callable[[Any], str] | None = None
+
+    def message_for(self, value: Any) -> str:
+        return self.explain(value) if self.explain is not None else self.message
 
 
 # --- helpers that spell one idea in both languages ---------------------------------------------
@@ -55,18 +62,53 @@ def _cel_list(values: Iterable[str]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
 
-def _cel_no_flags(field: str, flags: Iterable[str]) -> str:
-    # Mirrors engine_args.flag_name(): text before '=', before '.', with '_' read as '-'.
-    # An unset list has no schema default (to keep stored objects small), hence has().
-    return (
-        f"!has(self.{field}) || "
-        f"self.{field}.all(a, !(a.split('=')[0].split('.')[0].replace('_', '-') in {_cel_list(flags)}))"
-    )
+def _cel_flag(arg: str) -> str:
+    # engine_args.flag_name(): text before '=', before '.', with '_' read as '-'.
+    return f"{arg}.split('=')[0].split('.')[0].replace('_', '-')"
 
 
-def _no_flags(args: Iterable[str], flags: Iterable[str]) -> bool:
-    forbidden = set(flags)
-    return all(engine_args.flag_name(a) not in forbidden for a in args)
+def _cel_sets(arg: str, flags: Sequence[str]) -> str:
+    # engine_args.forbidden_flag(...) is not None: the flag, or a prefix of it argparse would take.
+    return (f"cel.bind(f, {_cel_flag(arg)}, !(f in {_cel_list(engine_args.NOT_A_FLAG)}) "
+            f"&& {_cel_list(flags)}.exists(b, b.startsWith(f)))")
+
+
+@dataclass(frozen=True)
+class _FlagRule:
+    """A list of vLLM args that must not set (or alias, or abbreviate) any of ``flags``."""
+
+    field: str  # camelCase field of the target
+    label: str  # how messages name the field
+    flags: tuple[str, ...]
+
+    def cel(self) -> str:
+        # An unset list has no schema default (to keep stored objects small), hence has().
+        return f"!has(self.{self.field}) || !self.{self.field}.exists(a, {_cel_sets('a', self.flags)})"
+
+    def message_cel(self) -> str:
+        flags = _cel_list(self.flags)
+        first = f"self.{self.field}.filter(a, {_cel_sets('a', self.flags)})[0]"
+        return (
+            f"cel.bind(f, {_cel_flag(first)}, cel.bind(m, f in {flags} ? f : {flags}.filter(b, b.startsWith(f))[0], "
+            f"'{self.label} must not set ' + f + (f == m ? '' : ' (an abbreviation of ' + m + ')') + ': ' + "
+            f"(m in {_cel_list(engine_args.FILE_FLAGS)} ? '{_FILE_REASON}' : "
+            f"m in {_cel_list(engine_args.SHARED_ONLY_FLAGS)} ? '{_SHARED_REASON}' : '{_OWNED_REASON}')))"
+        )
+
+    def valid(self, args: Iterable[str]) -> bool:
+        return all(engine_args.forbidden_flag(a, self.flags) is None for a in args)
+
+    def explain(self, args: Iterable[str]) -> str:
+        arg, matched = next((a, m) for a in args if (m := engine_args.forbidden_flag(a, self.flags)))
+        name = engine_args.flag_name(arg)
+        reason = (_FILE_REASON if matched in engine_args.FILE_FLAGS
+                  else _SHARED_REASON if matched in engine_args.SHARED_ONLY_FLAGS else _OWNED_REASON)
+        return f"{self.label} must not set {name}{'' if name == matched else f' (an abbreviation of {matched})'}: {reason}"
+
+
+_OWNED_REASON = "Disagg sets it from the spec; use the spec fields"
+_SHARED_REASON = "every tier must agree on it; set it in model.engineArgs"
+_FILE_REASON = "it reads flags from a file that these checks never see"
 
 
 def _cel_port(field: str, low: int) -> str:
@@ -89,8 +131,9 @@ def _version_ok(version: str) -> bool:
     return major > 0 or minor >= MIN_VLLM[1]
 
 
-_FLAGS_EVERYWHERE = engine_args.OWNED_FLAGS
-_FLAGS_IN_POOLS = engine_args.OWNED_FLAGS + engine_args.SHARED_ONLY_FLAGS
+_MODEL_ARGS = _FlagRule("engineArgs", "model.engineArgs", engine_args.OWNED_FLAGS + engine_args.FILE_FLAGS)
+_POOL_ARGS = _FlagRule(
+    "extraArgs", "extraArgs", engine_args.OWNED_FLAGS + engine_args.SHARED_ONLY_FLAGS + engine_args.FILE_FLAGS)
 _POOL_TARGETS = ("GPUPoolSpec", "CPUPoolSpec")
 
 
@@ -107,10 +150,11 @@ def _pool_rules(target: str) -> list[Rule]:
             lambda p: p.autoscaling is None or p.replicas >= 1, ".autoscaling",
         ),
         Rule(
-            f"{target}.extra-args", target, _cel_no_flags("extraArgs", _FLAGS_IN_POOLS),
-            "extraArgs must not set flags Disagg derives from the spec or that every tier must share "
-            f"({', '.join(_FLAGS_IN_POOLS)}); use the spec fields or model.engineArgs",
-            lambda p: _no_flags(p.extra_args, _FLAGS_IN_POOLS), ".extraArgs",
+            f"{target}.extra-args", target, _POOL_ARGS.cel(),
+            "extraArgs must not set, alias or abbreviate a flag Disagg derives from the spec or that every tier "
+            "must share (use the spec fields or model.engineArgs), nor --config",
+            lambda p: _POOL_ARGS.valid(p.extra_args), ".extraArgs",
+            _POOL_ARGS.message_cel(), lambda p: _POOL_ARGS.explain(p.extra_args),
         ),
     ]
 
@@ -159,10 +203,11 @@ RULES: tuple[Rule, ...] = (
         lambda m: not m.enable_auto_tool_choice or m.tool_call_parser is not None, ".enableAutoToolChoice",
     ),
     Rule(
-        "model.engine-args", "ModelSpec", _cel_no_flags("engineArgs", _FLAGS_EVERYWHERE),
-        "model.engineArgs must not set flags Disagg derives from the spec "
-        f"({', '.join(_FLAGS_EVERYWHERE)}); use the spec fields",
-        lambda m: _no_flags(m.engine_args, _FLAGS_EVERYWHERE), ".engineArgs",
+        "model.engine-args", "ModelSpec", _MODEL_ARGS.cel(),
+        "model.engineArgs must not set, alias or abbreviate a flag Disagg derives from the spec "
+        "(use the spec fields), nor --config",
+        lambda m: _MODEL_ARGS.valid(m.engine_args), ".engineArgs",
+        _MODEL_ARGS.message_cel(), lambda m: _MODEL_ARGS.explain(m.engine_args),
     ),
     Rule(
         "chat-template.one-source", "ChatTemplate", "has(self.inline) != has(self.configMapRef)",
@@ -286,6 +331,8 @@ def cel_validations(target: str) -> list[dict[str, str]]:
     out = []
     for r in rules_for(target):
         entry = {"rule": r.cel, "message": r.message}
+        if r.message_cel:
+            entry["messageExpression"] = r.message_cel
         if r.field_path:
             entry["fieldPath"] = r.field_path
         out.append(entry)

@@ -52,9 +52,10 @@ class WireModel(BaseModel):
     def _apply_rules(self) -> WireModel:
         broken = rules.failures(type(self).__name__, self)
         if broken:
+            messages = [r.message_for(self) for r in broken]
             raise PydanticCustomError(
                 "disagg_rule", "{summary}",
-                {"summary": "; ".join(r.message for r in broken), "rules": [r.id for r in broken]},
+                {"summary": "; ".join(messages), "rules": [r.id for r in broken], "messages": messages},
             )
         return self
 
@@ -264,9 +265,8 @@ def _problems(error: ValidationError, prefix: str) -> list[str]:
     for item in error.errors():
         where = ".".join([prefix, *(str(p) for p in item["loc"])])
         if item["type"] == "disagg_rule":
-            for rule_id in item["ctx"]["rules"]:
-                rule = _RULES_BY_ID[rule_id]
-                out.append(f"{where}{rule.field_path or ''}: {rule.message}")
+            for rule_id, message in zip(item["ctx"]["rules"], item["ctx"]["messages"]):
+                out.append(f"{where}{_RULES_BY_ID[rule_id].field_path or ''}: {message}")
         else:
             out.append(f"{where}: {_FRIENDLY.get(item['type'], item['msg'])}")
     return out

@@ -179,7 +179,7 @@ def k8s_path(where: str) -> str:
     return re.sub(r"\.(\d+)", r"[\1]", where)
 
 
-@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.rule)
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
 def test_the_api_server_rejects_each_invalid_object_with_the_rule_message(cluster: Cluster, crd_installed: Path,
                                                                           ns: str, case: Invalid) -> None:
     result = apply(cluster, ns, case.document(), check=False)

@@ -73,6 +73,7 @@ def test_every_rule_is_on_its_node_with_its_message() -> None:
         for entry in found[rule.message]:
             assert entry["rule"] == rule.cel
             assert entry.get("fieldPath") == rule.field_path
+            assert entry.get("messageExpression") == rule.message_cel
     # Pool rules apply to all four pools; every other rule to exactly one node.
     assert len(found[rules.rules_for("GPUPoolSpec")[0].message]) == 4
 

@@ -14,7 +14,7 @@ from tests.operator.cases import EDGES, INVALID, Invalid, base, merged
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.rule)
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
 def test_each_rule_rejects_with_its_message_at_its_field(case: Invalid) -> None:
     with pytest.raises(SpecError) as err:
         parse_manifest(case.document())
