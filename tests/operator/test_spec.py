@@ -55,6 +55,15 @@ def test_defaults_of_a_minimal_spec() -> None:
     assert spec.engine.extension is False
 
 
+def test_the_sidecar_and_the_crd_default_to_ignoring_the_prefiller_header() -> None:
+    """A sidecar config without the key (hand-written, or an older operator's) must not trust clients more
+    than the CRD's default does."""
+    from disagg_sidecar.config import Prefill
+
+    crd_default = parse_manifest(base()).spec.router.trust_prefiller_header
+    assert Prefill(mode="local").trust_prefiller_header is crd_default is False
+
+
 def test_camel_case_on_the_wire_snake_case_in_python() -> None:
     wire = {"model": {"source": "/models/q", "maxModelLen": 4096, "toolCallParser": "hermes",
                       "enableAutoToolChoice": True}, "kvTransfer": {"sideChannelPort": 5700}}
