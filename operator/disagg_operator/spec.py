@@ -236,6 +236,21 @@ class RouterSpec(WireModel):
     resources: KubeObject | None = Field(None, description="Sidecar container resources.")
 
 
+class NetworkPolicySpec(WireModel):
+    """Per-model NetworkPolicies: engine ports reachable only from this model's own pods."""
+
+    enabled: bool = Field(
+        True, description="Write one NetworkPolicy per pool: clients reach only the sidecar port of decode pods; "
+        "render, derender and prefill engines accept only this model's decode pods (and, with NIXL, prefill and "
+        "decode pods accept each other for KV transfer). Needs a network plugin that enforces NetworkPolicies."
+    )
+    extra_engine_from: list[KubeObject] = Field(
+        default_factory=list, max_length=16,
+        description="More sources (NetworkPolicyPeer: podSelector, namespaceSelector, ipBlock) allowed to every "
+        "pool's engine port, e.g. a Prometheus scraping vLLM's /metrics; they can call the engines' whole API.",
+    )
+
+
 class DisaggregatedModelSpec(WireModel):
     """A model served in four tiers: render, prefill, decode, derender, plus the routing sidecar."""
 
@@ -244,6 +259,7 @@ class DisaggregatedModelSpec(WireModel):
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     pools: PoolsSpec = Field(default_factory=PoolsSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
 
 # --- parsing with readable errors --------------------------------------------------------------

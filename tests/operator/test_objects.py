@@ -48,6 +48,8 @@ def test_object_names(plan: Plan) -> None:
         ("Deployment", "qwen3-8b-derender"),
         ("PodDisruptionBudget", "qwen3-8b-prefill"), ("PodDisruptionBudget", "qwen3-8b-decode"),
         ("PodDisruptionBudget", "qwen3-8b-render"), ("PodDisruptionBudget", "qwen3-8b-derender"),
+        ("NetworkPolicy", "qwen3-8b-prefill"), ("NetworkPolicy", "qwen3-8b-decode"),
+        ("NetworkPolicy", "qwen3-8b-render"), ("NetworkPolicy", "qwen3-8b-derender"),
     ])
     kinds = [o["kind"] for o in build_objects(plan)]
     assert kinds == sorted(kinds, key=[k for _, k, _ in MANAGED_KINDS].index)  # apply order
@@ -325,7 +327,7 @@ def test_switching_derender_to_shared_repoints_the_service_without_rolling_decod
     del shared["pools"]["derender"]
     assert changed_objects(plan_of(full_spec()), plan_of(shared)) == {
         ("Deployment", "qwen3-8b-derender"), ("PodDisruptionBudget", "qwen3-8b-derender"),
-        ("Service", "qwen3-8b-derender")}
+        ("Service", "qwen3-8b-derender"), ("NetworkPolicy", "qwen3-8b-derender")}
 
 
 def test_pvc_models_are_mounted_read_only_in_every_pool() -> None:
