@@ -16,11 +16,12 @@ Conventions that keep the two sides equal:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import engine_args
+from disagg_operator.arg_rules import FlagRule, cel_list
 
 ROOT = "DisaggregatedModel"
 
@@ -58,59 +59,6 @@ class Rule:
 
 # --- helpers that spell one idea in both languages ---------------------------------------------
 
-def _cel_list(values: Iterable[str]) -> str:
-    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
-
-
-def _cel_flag(arg: str) -> str:
-    # engine_args.flag_name(): text before '=', before '.', with '_' read as '-'.
-    return f"{arg}.split('=')[0].split('.')[0].replace('_', '-')"
-
-
-def _cel_sets(arg: str, flags: Sequence[str]) -> str:
-    # engine_args.forbidden_flag(...) is not None: the flag, or a prefix of it argparse would take.
-    return (f"cel.bind(f, {_cel_flag(arg)}, !(f in {_cel_list(engine_args.NOT_A_FLAG)}) "
-            f"&& {_cel_list(flags)}.exists(b, b.startsWith(f)))")
-
-
-@dataclass(frozen=True)
-class _FlagRule:
-    """A list of vLLM args that must not set (or alias, or abbreviate) any of ``flags``."""
-
-    field: str  # camelCase field of the target
-    label: str  # how messages name the field
-    flags: tuple[str, ...]
-
-    def cel(self) -> str:
-        # An unset list has no schema default (to keep stored objects small), hence has().
-        return f"!has(self.{self.field}) || !self.{self.field}.exists(a, {_cel_sets('a', self.flags)})"
-
-    def message_cel(self) -> str:
-        flags = _cel_list(self.flags)
-        first = f"self.{self.field}.filter(a, {_cel_sets('a', self.flags)})[0]"
-        return (
-            f"cel.bind(f, {_cel_flag(first)}, cel.bind(m, f in {flags} ? f : {flags}.filter(b, b.startsWith(f))[0], "
-            f"'{self.label} must not set ' + f + (f == m ? '' : ' (an abbreviation of ' + m + ')') + ': ' + "
-            f"(m in {_cel_list(engine_args.FILE_FLAGS)} ? '{_FILE_REASON}' : "
-            f"m in {_cel_list(engine_args.SHARED_ONLY_FLAGS)} ? '{_SHARED_REASON}' : '{_OWNED_REASON}')))"
-        )
-
-    def valid(self, args: Iterable[str]) -> bool:
-        return all(engine_args.forbidden_flag(a, self.flags) is None for a in args)
-
-    def explain(self, args: Iterable[str]) -> str:
-        arg, matched = next((a, m) for a in args if (m := engine_args.forbidden_flag(a, self.flags)))
-        name = engine_args.flag_name(arg)
-        reason = (_FILE_REASON if matched in engine_args.FILE_FLAGS
-                  else _SHARED_REASON if matched in engine_args.SHARED_ONLY_FLAGS else _OWNED_REASON)
-        return f"{self.label} must not set {name}{'' if name == matched else f' (an abbreviation of {matched})'}: {reason}"
-
-
-_OWNED_REASON = "Disagg sets it from the spec; use the spec fields"
-_SHARED_REASON = "every tier must agree on it; set it in model.engineArgs"
-_FILE_REASON = "it reads flags from a file that these checks never see"
-
-
 def _cel_port(field: str, low: int) -> str:
     return f"self.{field} >= {low} && self.{field} <= 65535"
 
@@ -131,8 +79,8 @@ def _version_ok(version: str) -> bool:
     return major > 0 or minor >= MIN_VLLM[1]
 
 
-_MODEL_ARGS = _FlagRule("engineArgs", "model.engineArgs", engine_args.OWNED_FLAGS + engine_args.FILE_FLAGS)
-_POOL_ARGS = _FlagRule(
+_MODEL_ARGS = FlagRule("engineArgs", "model.engineArgs", engine_args.OWNED_FLAGS + engine_args.FILE_FLAGS)
+_POOL_ARGS = FlagRule(
     "extraArgs", "extraArgs", engine_args.OWNED_FLAGS + engine_args.SHARED_ONLY_FLAGS + engine_args.FILE_FLAGS)
 _POOL_TARGETS = ("GPUPoolSpec", "CPUPoolSpec")
 
@@ -234,7 +182,7 @@ RULES: tuple[Rule, ...] = (
     ),
     # --- KV transfer -----------------------------------------------------------------------------
     Rule(
-        "kv.connector", "KVTransferSpec", f"self.connector in {_cel_list(engine_args.KV_CONNECTORS)}",
+        "kv.connector", "KVTransferSpec", f"self.connector in {cel_list(engine_args.KV_CONNECTORS)}",
         f"kvTransfer.connector must be one of {', '.join(engine_args.KV_CONNECTORS)}",
         lambda k: k.connector in engine_args.KV_CONNECTORS, ".connector",
     ),
