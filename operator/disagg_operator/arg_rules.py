@@ -27,10 +27,10 @@ def _cel_flag(arg: str) -> str:
     return f"{arg}.split('=')[0].split('.')[0].replace('_', '-')"
 
 
-def _cel_sets(arg: str, flags: Sequence[str]) -> str:
-    # engine_args.forbidden_flag(...) is not None: the flag, or a prefix of it argparse would take.
-    return (f"cel.bind(f, {_cel_flag(arg)}, !(f in {cel_list(engine_args.NOT_A_FLAG)}) "
-            f"&& {cel_list(flags)}.exists(b, b.startsWith(f)))")
+def _cel_sets(flag: str, flags: Sequence[str]) -> str:
+    # engine_args.forbidden_flag(...) is not None, given the flag's name: the flag, or a prefix of it
+    # argparse would expand.
+    return f"!({flag} in {cel_list(engine_args.NOT_A_FLAG)}) && {cel_list(flags)}.exists(b, b.startsWith({flag}))"
 
 
 @dataclass(frozen=True)
@@ -41,18 +41,23 @@ class FlagRule:
     label: str  # how messages name the field
     flags: tuple[str, ...]
 
+    # The flag names are mapped once (`map`), not per reserved flag. `[x].map(v, ...)` names a value
+    # for reuse: cel.bind compiles in rules but not where the API server checks schema defaults.
+    def _flag_names(self) -> str:
+        return f"self.{self.field}.map(a, {_cel_flag('a')})"
+
     def cel(self) -> str:
         # An unset list has no schema default (to keep stored objects small), hence has().
-        return f"!has(self.{self.field}) || !self.{self.field}.exists(a, {_cel_sets('a', self.flags)})"
+        return f"!has(self.{self.field}) || !{self._flag_names()}.exists(f, {_cel_sets('f', self.flags)})"
 
     def message_cel(self) -> str:
         flags = cel_list(self.flags)
-        first = f"self.{self.field}.filter(a, {_cel_sets('a', self.flags)})[0]"
         return (
-            f"cel.bind(f, {_cel_flag(first)}, cel.bind(m, f in {flags} ? f : {flags}.filter(b, b.startsWith(f))[0], "
+            f"{self._flag_names()}.filter(f, {_cel_sets('f', self.flags)})"
+            f".map(f, [f in {flags} ? f : {flags}.filter(b, b.startsWith(f))[0]].map(m, "
             f"'{self.label} must not set ' + f + (f == m ? '' : ' (an abbreviation of ' + m + ')') + ': ' + "
             f"(m in {cel_list(engine_args.FILE_FLAGS)} ? '{_FILE_REASON}' : "
-            f"m in {cel_list(engine_args.SHARED_ONLY_FLAGS)} ? '{_SHARED_REASON}' : '{_OWNED_REASON}')))"
+            f"m in {cel_list(engine_args.SHARED_ONLY_FLAGS)} ? '{_SHARED_REASON}' : '{_OWNED_REASON}'))[0])[0]"
         )
 
     def valid(self, args: Iterable[str]) -> bool:
