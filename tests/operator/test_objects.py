@@ -337,3 +337,22 @@ def test_pvc_models_are_mounted_read_only_in_every_pool() -> None:
         assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
         mounts = {m["name"]: m for m in container(template, "vllm")["volumeMounts"]}
         assert mounts["model"] == {"name": "model", "mountPath": "/models/weights", "readOnly": True}
+
+
+def test_every_managed_kind_can_be_applied_and_the_chart_grants_it() -> None:
+    """A kind added to MANAGED_KINDS needs its API in apply.py and the verbs in the chart's RBAC
+    (tests/chart checks the granted rules against the real API server)."""
+    import re
+    from pathlib import Path
+
+    from disagg_operator.apply import _APIS
+
+    helpers = (Path(__file__).resolve().parents[2] / "charts/disagg/templates/_helpers.tpl").read_text()
+    block = re.search(r'define "disagg.rbacRules" -}}\n(.*?)\n{{- end -}}', helpers, re.S)
+    assert block is not None
+    granted = {(g, r): set(rule["verbs"]) for rule in yaml.safe_load(block.group(1))
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    for api_version, kind, plural in MANAGED_KINDS:
+        assert (api_version, kind) in _APIS, kind
+        group = api_version.rpartition("/")[0]
+        assert granted.get((group, plural), set()) >= {"get", "list", "watch", "create", "patch", "delete"}, kind
