@@ -31,6 +31,7 @@ _APIS: Mapping[tuple[str, str], tuple[str, str]] = {
     ("apps/v1", "Deployment"): ("AppsV1Api", "namespaced_deployment"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("AutoscalingV2Api", "namespaced_horizontal_pod_autoscaler"),
     ("policy/v1", "PodDisruptionBudget"): ("PolicyV1Api", "namespaced_pod_disruption_budget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("NetworkingV1Api", "namespaced_network_policy"),
 }
 
 

@@ -41,28 +41,51 @@ TOKENS_ONLY = "--tokens-only"
 ENABLE_SCALE_OUT = "--enable-scale-out"
 
 # Flags Disagg derives from the spec: setting them by hand would defeat the single source of truth.
+# Every spelling vLLM's parser accepts for them is listed (aliases, the --no- form of booleans):
+# tests/operator/test_vllm_flags.py checks this against vLLM's own parser.
 OWNED_FLAGS: tuple[str, ...] = (
     "--host", "--port", "--model", "--served-model-name", "--revision", "--max-model-len",
     "--chat-template", "--default-chat-template-kwargs", "--tool-call-parser", "--reasoning-parser",
-    "--enable-auto-tool-choice", "--kv-transfer-config", "--tokens-only", "--enable-scale-out",
+    "--enable-auto-tool-choice", "--no-enable-auto-tool-choice", "--kv-transfer-config",
+    "--tokens-only", "--no-tokens-only", "--enable-scale-out", "--no-enable-scale-out",
     "--renderer-num-workers", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
-    "--enable-expert-parallel", "--api-server-count",
+    "--enable-expert-parallel", "--no-enable-expert-parallel", "-ep", "--api-server-count", "-asc",
 )
 # Flags that change how prompts are rendered or outputs parsed: every tier must agree, so they
 # are accepted in the shared model.engineArgs but not in one pool's extraArgs.
 SHARED_ONLY_FLAGS: tuple[str, ...] = (
-    "--tokenizer", "--tokenizer-mode", "--tokenizer-revision", "--trust-remote-code",
+    "--tokenizer", "--tokenizer-mode", "--tokenizer-revision", "--trust-remote-code", "--no-trust-remote-code",
     "--generation-config", "--chat-template-content-format", "--hf-overrides",
-    "--tool-parser-plugin", "--reasoning-parser-plugin", "--skip-tokenizer-init",
+    "--tool-parser-plugin", "--reasoning-parser-plugin", "--skip-tokenizer-init", "--no-skip-tokenizer-init",
 )
+# `--config FILE` makes vLLM read more flags from a YAML file, which no check here ever sees.
+FILE_FLAGS: tuple[str, ...] = ("--config",)
+NOT_A_FLAG: tuple[str, ...] = ("", "-", "--")  # a value, or `--` (end of options): prefix of everything
 
 
 def flag_name(arg: str) -> str:
     """The flag an argument sets, as vLLM's parser sees it (`--a_b.c=1` → `--a-b`).
 
-    Mirrored in CEL by ``cel_flag_name`` in rules.py; keep the two in step.
+    Mirrored in CEL by ``_cel_flag`` in arg_rules.py; keep the two in step.
     """
     return arg.split("=")[0].split(".")[0].replace("_", "-")
+
+
+def forbidden_flag(arg: str, flags: Sequence[str]) -> str | None:
+    """The flag of ``flags`` that ``arg`` would set, or None.
+
+    argparse (hence vLLM) takes any unambiguous prefix of an option (`--trust-remote`, `-t` for
+    `-tp`), so an argument whose flag is a prefix of a forbidden one is refused too; an ambiguous
+    prefix would not start vLLM anyway. The flag itself wins over a longer one it is a prefix of
+    (`--tokenizer`, not `--tokenizer-mode`); otherwise the first in ``flags`` order is named.
+    Mirrored in CEL by ``_cel_sets`` and ``FlagRule.message_cel`` in arg_rules.py; keep the two in step.
+    """
+    name = flag_name(arg)
+    if name in NOT_A_FLAG:
+        return None
+    if name in flags:
+        return name
+    return next((f for f in flags if f.startswith(name)), None)
 
 
 def launcher_argv(launcher: Launcher) -> list[str]:

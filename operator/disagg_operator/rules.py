@@ -16,11 +16,12 @@ Conventions that keep the two sides equal:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import engine_args
+from disagg_operator.arg_rules import FlagRule, cel_list
 
 ROOT = "DisaggregatedModel"
 
@@ -47,27 +48,16 @@ class Rule:
     message: str
     check: Callable[[Any], bool]  # True when valid; gets the target model instance (ROOT: the name)
     field_path: str | None = None  # where the API server reports the error, relative to the target
+    # A message naming what broke the rule: CEL messageExpression and the same words in Python.
+    # ``message`` stays the fallback (the API server uses it if the expression cannot be evaluated).
+    message_cel: str | None = None
+    explain: Callable[[Any], str] | None = None
+
+    def message_for(self, value: Any) -> str:
+        return self.explain(value) if self.explain is not None else self.message
 
 
 # --- helpers that spell one idea in both languages ---------------------------------------------
-
-def _cel_list(values: Iterable[str]) -> str:
-    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
-
-
-def _cel_no_flags(field: str, flags: Iterable[str]) -> str:
-    # Mirrors engine_args.flag_name(): text before '=', before '.', with '_' read as '-'.
-    # An unset list has no schema default (to keep stored objects small), hence has().
-    return (
-        f"!has(self.{field}) || "
-        f"self.{field}.all(a, !(a.split('=')[0].split('.')[0].replace('_', '-') in {_cel_list(flags)}))"
-    )
-
-
-def _no_flags(args: Iterable[str], flags: Iterable[str]) -> bool:
-    forbidden = set(flags)
-    return all(engine_args.flag_name(a) not in forbidden for a in args)
-
 
 def _cel_port(field: str, low: int) -> str:
     return f"self.{field} >= {low} && self.{field} <= 65535"
@@ -89,8 +79,9 @@ def _version_ok(version: str) -> bool:
     return major > 0 or minor >= MIN_VLLM[1]
 
 
-_FLAGS_EVERYWHERE = engine_args.OWNED_FLAGS
-_FLAGS_IN_POOLS = engine_args.OWNED_FLAGS + engine_args.SHARED_ONLY_FLAGS
+_MODEL_ARGS = FlagRule("engineArgs", "model.engineArgs", engine_args.OWNED_FLAGS + engine_args.FILE_FLAGS)
+_POOL_ARGS = FlagRule(
+    "extraArgs", "extraArgs", engine_args.OWNED_FLAGS + engine_args.SHARED_ONLY_FLAGS + engine_args.FILE_FLAGS)
 _POOL_TARGETS = ("GPUPoolSpec", "CPUPoolSpec")
 
 
@@ -107,10 +98,11 @@ def _pool_rules(target: str) -> list[Rule]:
             lambda p: p.autoscaling is None or p.replicas >= 1, ".autoscaling",
         ),
         Rule(
-            f"{target}.extra-args", target, _cel_no_flags("extraArgs", _FLAGS_IN_POOLS),
-            "extraArgs must not set flags Disagg derives from the spec or that every tier must share "
-            f"({', '.join(_FLAGS_IN_POOLS)}); use the spec fields or model.engineArgs",
-            lambda p: _no_flags(p.extra_args, _FLAGS_IN_POOLS), ".extraArgs",
+            f"{target}.extra-args", target, _POOL_ARGS.cel(),
+            "extraArgs must not set, alias or abbreviate a flag Disagg derives from the spec or that every tier "
+            "must share (use the spec fields or model.engineArgs), nor --config",
+            lambda p: _POOL_ARGS.valid(p.extra_args), ".extraArgs",
+            _POOL_ARGS.message_cel(), lambda p: _POOL_ARGS.explain(p.extra_args),
         ),
     ]
 
@@ -159,10 +151,11 @@ RULES: tuple[Rule, ...] = (
         lambda m: not m.enable_auto_tool_choice or m.tool_call_parser is not None, ".enableAutoToolChoice",
     ),
     Rule(
-        "model.engine-args", "ModelSpec", _cel_no_flags("engineArgs", _FLAGS_EVERYWHERE),
-        "model.engineArgs must not set flags Disagg derives from the spec "
-        f"({', '.join(_FLAGS_EVERYWHERE)}); use the spec fields",
-        lambda m: _no_flags(m.engine_args, _FLAGS_EVERYWHERE), ".engineArgs",
+        "model.engine-args", "ModelSpec", _MODEL_ARGS.cel(),
+        "model.engineArgs must not set, alias or abbreviate a flag Disagg derives from the spec "
+        "(use the spec fields), nor --config",
+        lambda m: _MODEL_ARGS.valid(m.engine_args), ".engineArgs",
+        _MODEL_ARGS.message_cel(), lambda m: _MODEL_ARGS.explain(m.engine_args),
     ),
     Rule(
         "chat-template.one-source", "ChatTemplate", "has(self.inline) != has(self.configMapRef)",
@@ -189,7 +182,7 @@ RULES: tuple[Rule, ...] = (
     ),
     # --- KV transfer -----------------------------------------------------------------------------
     Rule(
-        "kv.connector", "KVTransferSpec", f"self.connector in {_cel_list(engine_args.KV_CONNECTORS)}",
+        "kv.connector", "KVTransferSpec", f"self.connector in {cel_list(engine_args.KV_CONNECTORS)}",
         f"kvTransfer.connector must be one of {', '.join(engine_args.KV_CONNECTORS)}",
         lambda k: k.connector in engine_args.KV_CONNECTORS, ".connector",
     ),
@@ -286,6 +279,8 @@ def cel_validations(target: str) -> list[dict[str, str]]:
     out = []
     for r in rules_for(target):
         entry = {"rule": r.cel, "message": r.message}
+        if r.message_cel:
+            entry["messageExpression"] = r.message_cel
         if r.field_path:
             entry["fieldPath"] = r.field_path
         out.append(entry)

@@ -52,9 +52,10 @@ class WireModel(BaseModel):
     def _apply_rules(self) -> WireModel:
         broken = rules.failures(type(self).__name__, self)
         if broken:
+            messages = [r.message_for(self) for r in broken]
             raise PydanticCustomError(
                 "disagg_rule", "{summary}",
-                {"summary": "; ".join(r.message for r in broken), "rules": [r.id for r in broken]},
+                {"summary": "; ".join(messages), "rules": [r.id for r in broken], "messages": messages},
             )
         return self
 
@@ -235,6 +236,21 @@ class RouterSpec(WireModel):
     resources: KubeObject | None = Field(None, description="Sidecar container resources.")
 
 
+class NetworkPolicySpec(WireModel):
+    """Per-model NetworkPolicies: engine ports reachable only from this model's own pods."""
+
+    enabled: bool = Field(
+        True, description="Write one NetworkPolicy per pool: clients reach only the sidecar port of decode pods; "
+        "render, derender and prefill engines accept only this model's decode pods (and, with NIXL, prefill and "
+        "decode pods accept each other for KV transfer). Needs a network plugin that enforces NetworkPolicies."
+    )
+    extra_engine_from: list[KubeObject] = Field(
+        default_factory=list, max_length=16,
+        description="More sources (NetworkPolicyPeer: podSelector, namespaceSelector, ipBlock) allowed to every "
+        "pool's engine port, e.g. a Prometheus scraping vLLM's /metrics; they can call the engines' whole API.",
+    )
+
+
 class DisaggregatedModelSpec(WireModel):
     """A model served in four tiers: render, prefill, decode, derender, plus the routing sidecar."""
 
@@ -243,6 +259,7 @@ class DisaggregatedModelSpec(WireModel):
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     pools: PoolsSpec = Field(default_factory=PoolsSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
 
 # --- parsing with readable errors --------------------------------------------------------------
@@ -264,9 +281,8 @@ def _problems(error: ValidationError, prefix: str) -> list[str]:
     for item in error.errors():
         where = ".".join([prefix, *(str(p) for p in item["loc"])])
         if item["type"] == "disagg_rule":
-            for rule_id in item["ctx"]["rules"]:
-                rule = _RULES_BY_ID[rule_id]
-                out.append(f"{where}{rule.field_path or ''}: {rule.message}")
+            for rule_id, message in zip(item["ctx"]["rules"], item["ctx"]["messages"]):
+                out.append(f"{where}{_RULES_BY_ID[rule_id].field_path or ''}: {message}")
         else:
             out.append(f"{where}: {_FRIENDLY.get(item['type'], item['msg'])}")
     return out

@@ -192,7 +192,7 @@ class Prefill(_Model):
     discovery: Discovery | None = Field(None, discriminator="kind")
     selection: Literal["round-robin", "random", "least-requests"] = "least-requests"
     trust_prefiller_header: bool = Field(
-        True, description="Honour x-prefiller-host-port when it names a current prefill endpoint; "
+        False, description="Honour x-prefiller-host-port when it names a current prefill endpoint; "
                           "false: the header is stripped and ignored.")
     failure_policy: Literal["fallback", "fail"] = "fallback"
     tokens_only: bool | None = Field(None, description="Prefill pool runs --tokens-only; None: `engine.prefill_tokens_only`.")

@@ -32,13 +32,13 @@ CRD_NAME = "disaggregatedmodels.disagg.dev"
 INSTANCE = "app.kubernetes.io/instance"
 
 NAMESPACED_KINDS = ("deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings,"
-                    "horizontalpodautoscalers,poddisruptionbudgets")
+                    "horizontalpodautoscalers,poddisruptionbudgets,networkpolicies")
 CLUSTER_KINDS = "clusterroles,clusterrolebindings"
 
 # (verb, resource, subresource) the operator must be able to do in every namespace it serves.
 CHILDREN = ("deployments.apps", "services", "configmaps", "serviceaccounts", "roles.rbac.authorization.k8s.io",
             "rolebindings.rbac.authorization.k8s.io", "horizontalpodautoscalers.autoscaling",
-            "poddisruptionbudgets.policy")
+            "poddisruptionbudgets.policy", "networkpolicies.networking.k8s.io")
 ALLOWED = [
     *((verb, kind, None) for kind in CHILDREN for verb in ("get", "list", "watch", "create", "patch", "delete")),
     *((verb, CRD_NAME, None) for verb in ("get", "list", "watch", "patch")),
@@ -509,14 +509,14 @@ def test_operator_with_chart_identity_reconciles_example_to_ready(
         written = set(re.findall(rf'"PATCH /apis?(?:/[a-z0-9.]+)?/v[0-9a-z]+/namespaces/{watched}/([a-z]+)/'
                                  r'[^ "]+ HTTP/1.1" 20[01]', log))
         want = {"serviceaccounts", "roles", "rolebindings", "configmaps", "services", "deployments",
-                "disaggregatedmodels"}
+                "networkpolicies", "disaggregatedmodels"}
         assert want <= written, f"writes by the chart-identity operator: {sorted(written)}; want {sorted(want)}"
         failures = get_json(cluster, "-n", watched, "events", "--field-selector",
                             "involvedObject.name=qwen3-8b")["items"]
         assert not [e for e in failures if e["reason"] in ("ApplyFailed", "RestoreFailed", "InvalidSpec")], failures
-        kinds = get_json(cluster, "-n", watched, "serviceaccounts,roles,rolebindings,deployments",
+        kinds = get_json(cluster, "-n", watched, "serviceaccounts,roles,rolebindings,deployments,networkpolicies",
                          "-l", f"{INSTANCE}=qwen3-8b")["items"]
-        assert {o["kind"] for o in kinds} == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+        assert {o["kind"] for o in kinds} == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "NetworkPolicy"}
         assert operator.alive()
     finally:
         operator.stop()

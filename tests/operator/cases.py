@@ -11,6 +11,10 @@ from disagg_operator.rules import RULES
 from disagg_operator.spec import API_VERSION, KIND
 
 MESSAGES = {r.id: r.message for r in RULES}
+# Why an engine flag is refused, as the extraArgs/engineArgs messages say it.
+OWNED = "Disagg sets it from the spec; use the spec fields"
+SHARED = "every tier must agree on it; set it in model.engineArgs"
+FILE = "it reads flags from a file that these checks never see"
 
 
 def base(name: str = "m") -> dict[str, Any]:
@@ -35,10 +39,16 @@ class Invalid:
     spec: dict[str, Any]  # merged into base()["spec"]
     where: str  # where the error is reported (pydantic spelling: list indexes as .N)
     name: str = "m"
+    says: str | None = None  # the message, for rules whose message names what broke them
+    label: str = ""  # tells apart several cases of one rule
 
     @property
     def message(self) -> str:
-        return MESSAGES[self.rule]
+        return self.says or MESSAGES[self.rule]
+
+    @property
+    def id(self) -> str:
+        return f"{self.rule}-{self.label}" if self.label else self.rule
 
     def document(self) -> dict[str, Any]:
         doc = base(self.name)
@@ -61,7 +71,10 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("model.source", model(source="s3://bucket/qwen"), "spec.model.source"),
     Invalid("model.max-model-len", model(maxModelLen=0), "spec.model.maxModelLen"),
     Invalid("model.auto-tool-choice-needs-parser", model(enableAutoToolChoice=True), "spec.model.enableAutoToolChoice"),
-    Invalid("model.engine-args", model(engineArgs=["--dtype", "bfloat16", "--port=9000"]), "spec.model.engineArgs"),
+    Invalid("model.engine-args", model(engineArgs=["--dtype", "bfloat16", "--port=9000"]), "spec.model.engineArgs",
+            says=f"model.engineArgs must not set --port: {OWNED}"),
+    Invalid("model.engine-args", model(engineArgs=["--conf", "f.yaml"]), "spec.model.engineArgs", label="config",
+            says=f"model.engineArgs must not set --conf (an abbreviation of --config): {FILE}"),
     Invalid("chat-template.one-source", model(chatTemplate={}), "spec.model.chatTemplate"),
     Invalid("env.one-value", model(env=[{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]),
             "spec.model.env.0"),
@@ -78,8 +91,24 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("CPUPoolSpec.autoscaling-needs-replicas", pools(render={"replicas": 0, "autoscaling": {"maxReplicas": 2}}),
             "spec.pools.render.autoscaling"),
     Invalid("GPUPoolSpec.extra-args", pools(decode={"extraArgs": ["--tool-call-parser=hermes"]}),
-            "spec.pools.decode.extraArgs"),
-    Invalid("CPUPoolSpec.extra-args", pools(render={"extraArgs": ["--trust_remote_code"]}), "spec.pools.render.extraArgs"),
+            "spec.pools.decode.extraArgs", says=f"extraArgs must not set --tool-call-parser: {OWNED}"),
+    Invalid("CPUPoolSpec.extra-args", pools(render={"extraArgs": ["--trust_remote_code"]}), "spec.pools.render.extraArgs",
+            says=f"extraArgs must not set --trust-remote-code: {SHARED}"),
+    # Abbreviations argparse would expand, aliases, and --config (issue 17).
+    Invalid("CPUPoolSpec.extra-args", pools(derender={"extraArgs": ["--trust-remote"]}), "spec.pools.derender.extraArgs",
+            label="abbreviated", says=f"extraArgs must not set --trust-remote (an abbreviation of --trust-remote-code): {SHARED}"),
+    Invalid("GPUPoolSpec.extra-args", pools(prefill={"extraArgs": ["--max-num-seqs", "8", "--kv-transfer-conf={}"]}),
+            "spec.pools.prefill.extraArgs", label="abbreviated",
+            says=f"extraArgs must not set --kv-transfer-conf (an abbreviation of --kv-transfer-config): {OWNED}"),
+    Invalid("GPUPoolSpec.extra-args", pools(decode={"extraArgs": ["--tool_call_pars=hermes"]}), "spec.pools.decode.extraArgs",
+            label="abbreviated-underscores",
+            says=f"extraArgs must not set --tool-call-pars (an abbreviation of --tool-call-parser): {OWNED}"),
+    Invalid("GPUPoolSpec.extra-args", pools(decode={"extraArgs": ["-as", "4"]}), "spec.pools.decode.extraArgs",
+            label="abbreviated-alias", says=f"extraArgs must not set -as (an abbreviation of -asc): {OWNED}"),
+    Invalid("GPUPoolSpec.extra-args", pools(decode={"extraArgs": ["--no-enable-scale-out"]}), "spec.pools.decode.extraArgs",
+            label="negated", says=f"extraArgs must not set --no-enable-scale-out: {OWNED}"),
+    Invalid("GPUPoolSpec.extra-args", pools(decode={"extraArgs": ["--config", "f.yaml"]}), "spec.pools.decode.extraArgs",
+            label="config", says=f"extraArgs must not set --config: {FILE}"),
     Invalid("parallelism.tensor", pools(decode={"parallelism": {"tensor": 0}}), "spec.pools.decode.parallelism.tensor"),
     Invalid("parallelism.data", pools(prefill={"parallelism": {"data": 0}}), "spec.pools.prefill.parallelism.data"),
     Invalid("cpu-pool.renderer-workers", pools(render={"rendererWorkers": 0}), "spec.pools.render.rendererWorkers"),
@@ -116,7 +145,14 @@ EDGES: tuple[tuple[str, dict[str, Any], bool], ...] = (
         (["--tokenizer-mode", "slow"], False),  # must match across tiers: model.engineArgs only
         (["--kv-transfer-config.kv_role", "kv_producer"], False),  # dotted form of an owned flag
         (["--tensor_parallel_size", "2"], False),  # underscore form
-        (["-tp", "2"], False)]),
+        (["-tp", "2"], False), (["-t", "2"], False), (["-ep"], False), (["--enable-expert"], False),
+        (["--dt", "half"], True),  # a unique abbreviation of a flag that is not reserved
+        (["--config-format", "hf"], True),  # starts with --config but is another flag
+        (["--data-parallel-size-local", "1"], True), (["--", "x"], True), (["-1"], True),
+        (["--kv-transfer-conf.kv_role", "kv_producer"], False)]),
+    *((f"model args {' '.join(a)}", model(engineArgs=a), ok) for a, ok in [
+        (["--config=f.yaml"], False), (["--con", "f.yaml"], False), (["--tokenizer-mode", "slow"], True),
+        (["--no-trust-remote-code"], True), (["--served-model"], False), (["--host=::"], False)]),
     ("shared flags in model.engineArgs", model(engineArgs=["--trust-remote-code", "--tokenizer-mode", "auto"]), True),
     ("no prefill, no connector", {"kvTransfer": {"connector": "None"}, "pools": {"prefill": {"replicas": 0}}}, True),
     ("derender pool with render", pools(derender={"replicas": 2}), True),

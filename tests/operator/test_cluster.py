@@ -32,7 +32,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b.yaml"
 COLLECTIONS = {"serviceaccounts": "api/v1", "configmaps": "api/v1", "services": "api/v1",
                "roles": "apis/rbac.authorization.k8s.io/v1", "rolebindings": "apis/rbac.authorization.k8s.io/v1",
                "deployments": "apis/apps/v1", "horizontalpodautoscalers": "apis/autoscaling/v2",
-               "poddisruptionbudgets": "apis/policy/v1"}
+               "poddisruptionbudgets": "apis/policy/v1", "networkpolicies": "apis/networking.k8s.io/v1"}
 KINDS = ",".join(COLLECTIONS)
 METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 READY_TIMEOUT = 240  # generous: kwok heartbeats lag on a loaded 2-core machine
@@ -179,7 +179,7 @@ def k8s_path(where: str) -> str:
     return re.sub(r"\.(\d+)", r"[\1]", where)
 
 
-@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.rule)
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
 def test_the_api_server_rejects_each_invalid_object_with_the_rule_message(cluster: Cluster, crd_installed: Path,
                                                                           ns: str, case: Invalid) -> None:
     result = apply(cluster, ns, case.document(), check=False)
@@ -347,3 +347,56 @@ def test_separate_derender_service_switches_pools_without_rolling_decode(cluster
     cluster.wait_for(lambda: "derender" not in deployments(cluster, ns, "qwen3-8b"), "the derender pool pruned", timeout=90)
     assert get(cluster, ns, "service", "qwen3-8b-derender")["spec"]["selector"][names.POOL] == str(Role.RENDER)
     assert deployments(cluster, ns, "qwen3-8b")["decode"]["metadata"]["generation"] == decode_generation
+
+
+# --- NetworkPolicies (the local control plane enforces none: the objects are what is checked) -----
+
+def network_policies(cluster: Cluster, ns: str, model: str) -> dict[str, dict[str, Any]]:
+    items = get(cluster, ns, "networkpolicies", "-l", f"{names.INSTANCE}={model}")["items"]
+    return {o["metadata"]["name"]: o for o in items}
+
+
+def test_network_policies_are_on_by_default_restored_and_pruned_when_disabled(
+        cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+    doc = example()
+    pools = {"qwen3-8b-prefill", "qwen3-8b-decode", "qwen3-8b-render"}
+    cluster.wait_for(lambda: set(network_policies(cluster, ns, "qwen3-8b")) == pools, "a policy per pool", timeout=90)
+    live = network_policies(cluster, ns, "qwen3-8b")
+    pods = deployments(cluster, ns, "qwen3-8b")
+    for role, dep in pods.items():  # each policy selects its own pool's pods and no other pool's
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        selecting = [n for n, p in live.items()
+                     if all(labels.get(k) == v for k, v in p["spec"]["podSelector"]["matchLabels"].items())]
+        assert selecting == [f"qwen3-8b-{role}"]
+        assert live[f"qwen3-8b-{role}"]["spec"]["policyTypes"] == ["Ingress"]
+    sidecar_port, engine_port = doc["spec"]["router"].get("port", 8000), 8200
+    decode_rules = live["qwen3-8b-decode"]["spec"]["ingress"]
+    open_to_all = [r for r in decode_rules if "from" not in r]
+    assert open_to_all == [{"ports": [{"protocol": "TCP", "port": sidecar_port}]}]
+    decode_selector = pods["decode"]["spec"]["selector"]["matchLabels"]
+    assert live["qwen3-8b-render"]["spec"]["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": decode_selector}}], "ports": [{"protocol": "TCP", "port": engine_port}]}]
+    assert all(r["from"] == [{"podSelector": {"matchLabels": decode_selector}}]
+               for r in live["qwen3-8b-prefill"]["spec"]["ingress"])
+
+    # Deleted or loosened: put back.
+    old = live["qwen3-8b-render"]["metadata"]["uid"]
+    cluster.kubectl("delete", "networkpolicy", "qwen3-8b-render", "-n", ns, "--wait=false")
+    cluster.wait_for(lambda: network_policies(cluster, ns, "qwen3-8b").get("qwen3-8b-render", {})
+                     .get("metadata", {}).get("uid") not in (None, old), "the render policy recreated", timeout=90)
+    cluster.kubectl("patch", "networkpolicy", "qwen3-8b-decode", "-n", ns, "--type=json", "-p", json.dumps(
+        [{"op": "replace", "path": "/spec/ingress", "value": [{}]}]))  # {}: every source, every port
+    cluster.wait_for(lambda: network_policies(cluster, ns, "qwen3-8b")["qwen3-8b-decode"]["spec"]["ingress"]
+                     == decode_rules, "the decode policy restored", timeout=90)
+
+    # Switched off: pruned, and no pod rolls; switched on again: back.
+    generations = {r: d["metadata"]["generation"] for r, d in deployments(cluster, ns, "qwen3-8b").items()}
+    cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"networkPolicy": {"enabled": False}}}))
+    cluster.wait_for(lambda: not network_policies(cluster, ns, "qwen3-8b"), "the policies pruned", timeout=90)
+    wait_ready(cluster, operator, ns, "qwen3-8b")
+    assert {r: d["metadata"]["generation"] for r, d in deployments(cluster, ns, "qwen3-8b").items()} == generations
+    cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"networkPolicy": {"enabled": True}}}))
+    cluster.wait_for(lambda: set(network_policies(cluster, ns, "qwen3-8b")) == pools, "the policies back", timeout=90)

@@ -60,7 +60,8 @@ def test_unknown_fields_are_preserved_only_for_pass_through_kubernetes_objects()
     env_sources = {".spec.model.env[].valueFrom"} | {f".spec.pools.{p}.env[].valueFrom"
                                                     for p in ("prefill", "decode", "render", "derender")}
     assert preserved == pool_objects | env_sources | {
-        ".spec.model.defaultChatTemplateKwargs", ".spec.kvTransfer.extraConfig", ".spec.router.resources", ".status"}
+        ".spec.model.defaultChatTemplateKwargs", ".spec.kvTransfer.extraConfig", ".spec.router.resources", ".status",
+        ".spec.networkPolicy.extraEngineFrom[]"}
 
 
 def test_every_rule_is_on_its_node_with_its_message() -> None:
@@ -73,6 +74,7 @@ def test_every_rule_is_on_its_node_with_its_message() -> None:
         for entry in found[rule.message]:
             assert entry["rule"] == rule.cel
             assert entry.get("fieldPath") == rule.field_path
+            assert entry.get("messageExpression") == rule.message_cel
     # Pool rules apply to all four pools; every other rule to exactly one node.
     assert len(found[rules.rules_for("GPUPoolSpec")[0].message]) == 4
 

@@ -79,7 +79,8 @@ def test_only_owned_objects_the_plan_dropped_are_pruned() -> None:
     foreign["metadata"]["ownerReferences"] = [{**OWNER, "uid": "uid-other"}]
     live[key_of(foreign)] = foreign
     pruned = sorted((o["kind"], o["metadata"]["name"]) for o in to_prune(after, live, "uid-1"))
-    assert pruned == [("Deployment", "qwen3-8b-prefill"), ("PodDisruptionBudget", "qwen3-8b-prefill"),
+    assert pruned == [("Deployment", "qwen3-8b-prefill"), ("NetworkPolicy", "qwen3-8b-prefill"),
+                      ("PodDisruptionBudget", "qwen3-8b-prefill"),
                       ("Role", "qwen3-8b-sidecar"), ("RoleBinding", "qwen3-8b-sidecar"),
                       ("Service", "qwen3-8b-prefill"), ("ServiceAccount", "qwen3-8b-sidecar")]
 

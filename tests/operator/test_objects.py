@@ -10,7 +10,7 @@ import yaml
 
 from disagg_operator.objects import MANAGED_KINDS, build_objects, names, object_key
 from disagg_operator.objects.deployments import SIDECAR_COMMAND
-from disagg_operator.plan import Plan, Role
+from disagg_operator.plan import KV_SHARED_PATH, Plan, Role
 from tests.operator.cases import merged
 from tests.operator.builders import TEMPLATE, full_spec, plan_of
 
@@ -48,6 +48,8 @@ def test_object_names(plan: Plan) -> None:
         ("Deployment", "qwen3-8b-derender"),
         ("PodDisruptionBudget", "qwen3-8b-prefill"), ("PodDisruptionBudget", "qwen3-8b-decode"),
         ("PodDisruptionBudget", "qwen3-8b-render"), ("PodDisruptionBudget", "qwen3-8b-derender"),
+        ("NetworkPolicy", "qwen3-8b-prefill"), ("NetworkPolicy", "qwen3-8b-decode"),
+        ("NetworkPolicy", "qwen3-8b-render"), ("NetworkPolicy", "qwen3-8b-derender"),
     ])
     kinds = [o["kind"] for o in build_objects(plan)]
     assert kinds == sorted(kinds, key=[k for _, k, _ in MANAGED_KINDS].index)  # apply order
@@ -205,19 +207,71 @@ def test_without_prefill_there_is_no_prefill_service_and_no_api_access() -> None
     assert "api-token" not in {v["name"] for v in decode["volumes"]}
 
 
-def test_cpu_and_sidecar_containers_run_as_non_root(plan: Plan) -> None:
+SPECS_FOR_EVERY_POOL_SHAPE = {
+    "full": full_spec(),
+    "decode-only": merged(full_spec(), {"pools": {"prefill": {"replicas": 0}, "render": {"replicas": 0},
+                                                  "derender": None}, "kvTransfer": {"connector": "None"}}),
+    "example-connector": merged(full_spec(), {"kvTransfer": {"connector": "ExampleConnector"}}),
+    "example-connector-pvc": merged(full_spec(), {"kvTransfer": {"connector": "ExampleConnector",
+                                                                 "sharedStorageClaim": "kv"},
+                                                  "model": {"source": "pvc://weights/q", "revision": None}}),
+}
+
+
+@pytest.mark.parametrize("spec", SPECS_FOR_EVERY_POOL_SHAPE.values(), ids=SPECS_FOR_EVERY_POOL_SHAPE.keys())
+def test_every_container_of_every_pool_is_locked_down(spec: dict[str, Any]) -> None:
+    plan = plan_of(spec)
+    templates = pod_templates(objects_of(plan))
+    assert set(templates) == {p.name for p in plan.pools}
+    for pool in plan.pools:
+        pod = templates[pool.name]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"]:
+            ctx = c["securityContext"]
+            assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0 and ctx["runAsGroup"] != 0, (pool.name, c["name"])
+            assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
+            assert ctx["readOnlyRootFilesystem"] is True
+            assert "privileged" not in ctx and "add" not in ctx["capabilities"]
+
+
+@pytest.mark.parametrize("spec", SPECS_FOR_EVERY_POOL_SHAPE.values(), ids=SPECS_FOR_EVERY_POOL_SHAPE.keys())
+def test_what_vllm_writes_is_on_writable_volumes(spec: dict[str, Any]) -> None:
+    """With a read-only root, every directory vLLM writes to must be a writable mount: HOME (HF, vLLM,
+    Triton, CUDA caches under ~), /tmp (torch compile, vLLM's IPC sockets), /dev/shm on GPU pools (NCCL)
+    and the ExampleConnector's storage."""
+    plan = plan_of(spec)
     templates = pod_templates(objects_of(plan))
     for pool in plan.pools:
         template = templates[pool.name]
-        checked = [container(template, names.SIDECAR_CONTAINER)] if pool.role == Role.DECODE else []
-        if not pool.gpu:
-            checked.append(container(template, names.VLLM_CONTAINER))
-            assert template["spec"]["securityContext"]["runAsNonRoot"] is True
-        for c in checked:
-            ctx = c["securityContext"]
-            assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0
-            assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
-    assert container(templates["qwen3-8b-decode"], "sidecar")["securityContext"]["readOnlyRootFilesystem"] is True
+        vllm = container(template, names.VLLM_CONTAINER)
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        writable = {m["mountPath"]: volumes[m["name"]] for m in vllm["volumeMounts"] if not m.get("readOnly")}
+        env = {e["name"]: e.get("value") for e in vllm["env"]}
+        needed = [env["HOME"], env["HF_HOME"], "/tmp"] + (["/dev/shm"] if pool.gpu else [])
+
+        def volume_for(path: str) -> dict[str, Any]:
+            mount = max((m for m in writable if path == m or path.startswith(m.rstrip("/") + "/")), key=len)
+            return writable[mount]
+
+        for path in needed:
+            assert "emptyDir" in volume_for(path), (pool.name, path)
+        if pool.gpu:
+            assert volume_for("/dev/shm")["emptyDir"] == {"medium": "Memory"}
+        if pool.gpu and plan.kv_connector == "ExampleConnector":  # writes KV files to its storage path
+            assert ("persistentVolumeClaim" if pool.kv_shared_claim else "emptyDir") in volume_for(KV_SHARED_PATH)
+        assert env["HOME"] != "/" and not env["HOME"].startswith("/root")
+
+
+def test_a_users_home_wins_without_duplicating_env_names() -> None:
+    spec = merged(full_spec(), {"pools": {"decode": {"env": [{"name": "HOME", "value": "/models/home"}]}}})
+    templates = pod_templates(objects_of(plan_of(spec)))
+    for name, template in templates.items():
+        env = container(template, names.VLLM_CONTAINER)["env"]
+        names_ = [e["name"] for e in env]
+        assert len(names_) == len(set(names_)), name
+    decode_env = {e["name"]: e.get("value") for e in container(templates["qwen3-8b-decode"], "vllm")["env"]}
+    assert decode_env["HOME"] == "/models/home"
 
 
 def test_gpu_pools_get_shared_memory_and_nixl_ports(plan: Plan) -> None:
@@ -273,7 +327,7 @@ def test_switching_derender_to_shared_repoints_the_service_without_rolling_decod
     del shared["pools"]["derender"]
     assert changed_objects(plan_of(full_spec()), plan_of(shared)) == {
         ("Deployment", "qwen3-8b-derender"), ("PodDisruptionBudget", "qwen3-8b-derender"),
-        ("Service", "qwen3-8b-derender")}
+        ("Service", "qwen3-8b-derender"), ("NetworkPolicy", "qwen3-8b-derender")}
 
 
 def test_pvc_models_are_mounted_read_only_in_every_pool() -> None:
@@ -283,3 +337,22 @@ def test_pvc_models_are_mounted_read_only_in_every_pool() -> None:
         assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
         mounts = {m["name"]: m for m in container(template, "vllm")["volumeMounts"]}
         assert mounts["model"] == {"name": "model", "mountPath": "/models/weights", "readOnly": True}
+
+
+def test_every_managed_kind_can_be_applied_and_the_chart_grants_it() -> None:
+    """A kind added to MANAGED_KINDS needs its API in apply.py and the verbs in the chart's RBAC
+    (tests/chart checks the granted rules against the real API server)."""
+    import re
+    from pathlib import Path
+
+    from disagg_operator.apply import _APIS
+
+    helpers = (Path(__file__).resolve().parents[2] / "charts/disagg/templates/_helpers.tpl").read_text()
+    block = re.search(r'define "disagg.rbacRules" -}}\n(.*?)\n{{- end -}}', helpers, re.S)
+    assert block is not None
+    granted = {(g, r): set(rule["verbs"]) for rule in yaml.safe_load(block.group(1))
+               for g in rule["apiGroups"] for r in rule["resources"]}
+    for api_version, kind, plural in MANAGED_KINDS:
+        assert (api_version, kind) in _APIS, kind
+        group = api_version.rpartition("/")[0]
+        assert granted.get((group, plural), set()) >= {"get", "list", "watch", "create", "patch", "delete"}, kind

@@ -14,7 +14,7 @@ from tests.operator.cases import EDGES, INVALID, Invalid, base, merged
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.rule)
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
 def test_each_rule_rejects_with_its_message_at_its_field(case: Invalid) -> None:
     with pytest.raises(SpecError) as err:
         parse_manifest(case.document())
@@ -53,6 +53,15 @@ def test_defaults_of_a_minimal_spec() -> None:
     assert spec.router.prefill_failure_policy == "fallback"
     assert spec.router.trust_prefiller_header is False
     assert spec.engine.extension is False
+
+
+def test_the_sidecar_and_the_crd_default_to_ignoring_the_prefiller_header() -> None:
+    """A sidecar config without the key (hand-written, or an older operator's) must not trust clients more
+    than the CRD's default does."""
+    from disagg_sidecar.config import Prefill
+
+    crd_default = parse_manifest(base()).spec.router.trust_prefiller_header
+    assert Prefill(mode="local").trust_prefiller_header is crd_default is False
 
 
 def test_camel_case_on_the_wire_snake_case_in_python() -> None:

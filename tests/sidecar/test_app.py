@@ -41,7 +41,8 @@ def proxied(engine_set) -> Iterator[tuple[RunningSidecar, dict]]:
     with recording_proxy(engine_set.url("render")) as render, recording_proxy(engine_set.url("prefill")) as prefill, \
             recording_proxy(engine_set.url("decode")) as decode:
         config = sidecar_config(engine_set, render={"url": render.url}, decode={"url": decode.url},
-                                prefill={"discovery": {"kind": "static", "urls": [prefill.url, engine_set.url("prefill")]}})
+                                prefill={"discovery": {"kind": "static", "urls": [prefill.url, engine_set.url("prefill")]},
+                                         "trust_prefiller_header": True})
         with run_sidecar(config) as sidecar:
             yield sidecar, {"render": render, "prefill": prefill, "decode": decode}
 

@@ -39,7 +39,8 @@ def test_prefill_server_killed(engine_set, forcer, doomed_engines) -> None:
     fallback = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [own]}}, limits=fast)
     fail = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [own]},
                                                "failure_policy": "fail"}, limits=fast)
-    retry = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [own, live]}}, limits=fast)
+    retry = sidecar_config(engine_set, prefill={"discovery": {"kind": "static", "urls": [own, live]},
+                                                "trust_prefiller_header": True}, limits=fast)
     body = forcer.chat_body("reasoning_tool_call")
     want = chat_view(chat(engine_set.url("coupled"), body).json())
     with run_sidecar(fallback) as a, run_sidecar(fail) as b, run_sidecar(retry) as c:

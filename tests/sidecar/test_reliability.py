@@ -88,7 +88,8 @@ def slow_legs(engine_set) -> Iterator[tuple[dict[str, RecordingProxy], dict]]:
         timeouts = {f"{leg}_seconds": LEG_TIMEOUT for leg in proxies}
         config = sidecar_config(engine_set, render={"url": render.url}, derender={"url": derender.url},
                                 decode={"url": decode.url, "capabilities": TOKENS_ONLY}, timeouts=timeouts,
-                                prefill={"discovery": {"kind": "static", "urls": [prefill.url, engine_set.url("prefill")]}})
+                                prefill={"discovery": {"kind": "static", "urls": [prefill.url, engine_set.url("prefill")]},
+                                         "trust_prefiller_header": True})
         yield proxies, config
 
 

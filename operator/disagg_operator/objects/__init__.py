@@ -12,6 +12,7 @@ from disagg_operator.objects.autoscaling import autoscalers
 from disagg_operator.objects.configmaps import config_map
 from disagg_operator.objects.deployments import deployment
 from disagg_operator.objects.disruption import disruption_budgets
+from disagg_operator.objects.network import network_policies
 from disagg_operator.objects.rbac import rbac
 from disagg_operator.objects.services import services
 from disagg_operator.plan import Plan
@@ -19,6 +20,7 @@ from disagg_operator.plan import Plan
 # Every kind the operator may own, in apply order (what a pod mounts or uses exists first).
 # (apiVersion, kind, plural): apply.py lists them to prune what the plan no longer wants.
 MANAGED_KINDS: tuple[tuple[str, str, str], ...] = (
+    ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),  # before any pod it guards
     ("v1", "ServiceAccount", "serviceaccounts"),
     ("rbac.authorization.k8s.io/v1", "Role", "roles"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
@@ -33,6 +35,7 @@ _ORDER = {kind: i for i, (_, kind, _) in enumerate(MANAGED_KINDS)}
 
 def build_objects(plan: Plan, owner: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     objects = [
+        *network_policies(plan, owner),
         *rbac(plan, owner),
         config_map(plan, owner),
         *services(plan, owner),

@@ -11,22 +11,31 @@ from disagg_operator.plan import KV_SHARED_PATH, MODEL_MOUNT_ROOT, Plan, PoolPla
 SIDECAR_CONFIG_DIR = "/etc/disagg"
 SIDECAR_CONFIG_FILE = "sidecar.yaml"
 SIDECAR_COMMAND = ["disagg", "sidecar", "--config", f"{SIDECAR_CONFIG_DIR}/{SIDECAR_CONFIG_FILE}"]
-CACHE_DIR = "/var/cache/disagg"  # writable scratch: HF cache, HOME of non-root containers
+CACHE_DIR = "/var/cache/disagg"  # writable scratch (emptyDir): HOME of the engines, so the HF, vLLM,
+TMP_DIR = "/tmp"  # Triton, CUDA and FlashInfer caches under ~ land on it; /tmp: torch compile, vLLM IPC
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 NON_ROOT_UID = 1000
 DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced
 
+# Every container (engines of all pools, the sidecar): non-root, no privilege escalation, no
+# capabilities, a read-only root; what vLLM writes goes to emptyDirs (cache, tmp, dshm).
 _RESTRICTED = {
     "runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID,
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
+    "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"},
 }
+_POD_SECURITY = {"runAsNonRoot": True, "fsGroup": NON_ROOT_UID, "fsGroupChangePolicy": "OnRootMismatch",
+                 "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _probe(path: str, port: str, period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
             "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def _writes_kv_files(plan: Plan, pool: PoolPlan) -> bool:
+    return pool.gpu and plan.kv_connector == engine_args.EXAMPLE
 
 
 def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
@@ -36,16 +45,17 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
     ports += [{"name": names.nixl_port_name(rank), "containerPort": port, "protocol": "TCP"}
               for rank, port in enumerate(pool.side_channel_ports)]
     env = [e.to_k8s() for e in pool.env]
-    env += [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
-    mounts = [{"name": "cache", "mountPath": CACHE_DIR}]
-    if not pool.gpu:
-        env.append({"name": "HOME", "value": CACHE_DIR})  # the non-root user has no home directory
+    # The non-root user has no home directory (and the root is read-only): HOME is the cache emptyDir.
+    # A user's own value wins (a container's env is keyed by name: no duplicates).
+    env += [e for e in ({"name": "HOME", "value": CACHE_DIR}, {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"})
+            if e["name"] not in {v.name for v in pool.env}]
+    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": TMP_DIR}]
     if pool.uses_chat_template and plan.chat_template:
         mounts.append({"name": "chat-template", "mountPath": plan.chat_template.path.rsplit("/", 1)[0],
                        "readOnly": True})
     if plan.model.claim:
         mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT_ROOT}/{plan.model.claim}", "readOnly": True})
-    if pool.kv_shared_claim:
+    if _writes_kv_files(plan, pool):
         mounts.append({"name": "kv-shared", "mountPath": KV_SHARED_PATH})
     if pool.gpu:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # NCCL/TP workers need more than 64Mi
@@ -65,8 +75,7 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
         container["imagePullPolicy"] = pool.image_pull_policy
     if pool.resources:
         container["resources"] = dict(pool.resources)
-    if not pool.gpu:
-        container["securityContext"] = dict(_RESTRICTED)
+    container["securityContext"] = dict(_RESTRICTED)
     return container
 
 
@@ -83,7 +92,7 @@ def _sidecar_container(plan: Plan) -> dict[str, Any]:
         "volumeMounts": mounts,
         "readinessProbe": _probe(sidecar.health_path, names.HTTP_PORT, 5, 3),
         "resources": dict(sidecar.resources or DEFAULT_SIDECAR_RESOURCES),
-        "securityContext": {**_RESTRICTED, "readOnlyRootFilesystem": True},
+        "securityContext": dict(_RESTRICTED),
     }
     if plan.spec.engine.image_pull_policy:
         container["imagePullPolicy"] = plan.spec.engine.image_pull_policy
@@ -91,7 +100,7 @@ def _sidecar_container(plan: Plan) -> dict[str, Any]:
 
 
 def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
-    volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}]
+    volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     template = plan.chat_template
     if pool.uses_chat_template and template:
         filename = template.path.rsplit("/", 1)[1]
@@ -103,6 +112,8 @@ def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": plan.model.claim, "readOnly": True}})
     if pool.kv_shared_claim:
         volumes.append({"name": "kv-shared", "persistentVolumeClaim": {"claimName": pool.kv_shared_claim}})
+    elif _writes_kv_files(plan, pool):  # the root is read-only; KV stays in the pod (no claim to share it)
+        volumes.append({"name": "kv-shared", "emptyDir": {}})
     if pool.gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     if pool.role == Role.DECODE:
@@ -140,11 +151,7 @@ def deployment(plan: Plan, pool: PoolPlan, owner: dict[str, Any] | None = None) 
         pod["terminationGracePeriodSeconds"] = DECODE_GRACE_SECONDS
         if plan.disaggregated:
             pod["serviceAccountName"] = names.sidecar_account(plan.name)
-    if pool.gpu:
-        pod["securityContext"] = {"seccompProfile": {"type": "RuntimeDefault"}}
-    else:
-        pod["securityContext"] = {"runAsNonRoot": True, "fsGroup": NON_ROOT_UID,
-                                  "seccompProfile": {"type": "RuntimeDefault"}}
+    pod["securityContext"] = dict(_POD_SECURITY)
     if pool.node_selector:
         pod["nodeSelector"] = dict(pool.node_selector)
     if pool.tolerations:
