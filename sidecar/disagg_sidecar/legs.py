@@ -75,6 +75,20 @@ def decode_leg(
     return body
 
 
+# SamplingParams' own default, which render's serialisation leaves out when the client asked for it.
+SAMPLING_DEFAULT_MAX_TOKENS = 16
+
+
+def rendered(gen: Mapping[str, Any]) -> dict[str, Any]:
+    """Render's answer with ``max_tokens`` explicit: render always sets it (from the client or the
+    model's length) but omits a value equal to the default, and a generate server that is not
+    given one uses the whole context instead."""
+    sp = gen.get(wire.SAMPLING_PARAMS)
+    if not isinstance(sp, Mapping) or "max_tokens" in sp:
+        return dict(gen)
+    return {**gen, wire.SAMPLING_PARAMS: {**sp, "max_tokens": SAMPLING_DEFAULT_MAX_TOKENS}}
+
+
 def engine_request_id(request_id: str) -> str:
     """The id a generate server gives a request sent with ``X-Request-Id: request_id`` (for aborts)."""
     return wire.GENERATE_ID_PREFIX + request_id

@@ -117,11 +117,12 @@ class ChainedDerender:
     calls are in flight; that is what gives the lanes something to coalesce.
     """
 
-    def __init__(self, call: DerenderCall, emit: Emit, *, coalesce: bool = True,
+    def __init__(self, call: DerenderCall, emit: Emit, *, coalesce: bool = True, hold: bool = False,
                  on_call: Callable[[int], None] = lambda merged: None):
         self._call = call
         self._emit = emit
         self._coalesce = coalesce
+        self._hold = hold  # send a choice only once it finished, as one merged chunk (stop strings)
         self._on_call = on_call  # called with the number of generate chunks in each call
         self._lanes: dict[int, _Lane] = {}
         self._tail: list[Chunk] = []  # usage-only chunks: sent after every lane is done
@@ -175,7 +176,9 @@ class ChainedDerender:
                 await lane.wake.wait()
                 lane.wake.clear()
                 while lane.pending:
-                    if self._coalesce:
+                    if self._hold and not lane.closed and not any(_finished(c) for c in lane.pending):
+                        break
+                    if self._hold or self._coalesce:
                         batch, lane.pending = lane.pending, []
                     else:
                         batch = [lane.pending.pop(0)]
@@ -187,6 +190,10 @@ class ChainedDerender:
         except BaseException as exc:
             self._error = exc
             raise
+
+
+def _finished(chunk: Chunk) -> bool:
+    return any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
 
 
 def split_events(payloads: Iterable[bytes]) -> tuple[list[Chunk], bool]:
