@@ -161,12 +161,17 @@ async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Option
 
 
 async def completion_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Options, tier: TierCall) -> Any:
-    resp = await tier("derender", leg.path, leg.batch(streaming.dumps(out)), "batch")
+    """A ``/v1/completions/derender`` answer for the engine's tokens, with the engine's token ids,
+    usage (derender counts the ids it decoded) and stop-string cut."""
+    ready = generate_for_derender(out, opts.keep_stop)
+    resp = await tier("derender", leg.path, leg.batch(streaming.dumps(ready)), "batch")
     gen_choices = out.get("choices") or []
     for c in resp.get("choices", []):
         source = gen_choices[c["index"]] if c.get("index", 0) < len(gen_choices) else {}
+        c["token_ids"] = source.get("token_ids")
         if cut_by_stop_string(source):
             c["text"] = stop_cut(c.get("text") or "", str(source["stop_reason"]), opts.keep_stop)
+    resp["usage"] = out.get("usage") or resp.get("usage")
     return resp
 
 
@@ -224,9 +229,12 @@ class CompletionStream:
         self.hold = opts.has_stop
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
-        data = await self.tier("derender", self.leg.path, self.leg.stream(chunk, state), "stream")
+        ready = generate_for_derender(chunk, self.opts.keep_stop)
+        data = await self.tier("derender", self.leg.path, self.leg.stream(ready, state), "stream")
         out = data["chunk"]
         gen_choice = (chunk.get("choices") or [{}])[0]
+        for c in out.get("choices") or []:
+            c["token_ids"] = gen_choice.get("token_ids")
         if self.opts.has_stop and state is None and cut_by_stop_string(gen_choice):
             for c in out.get("choices") or []:
                 c["text"] = stop_cut(c.get("text") or "", str(gen_choice["stop_reason"]), self.opts.keep_stop)

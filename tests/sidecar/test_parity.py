@@ -74,7 +74,7 @@ def check_chat_stream_shape(chunks: list[dict[str, Any]], request_id: str, n: in
         for c in chunk["choices"]:
             first_delta.setdefault(c["index"], c["delta"])
             for call in c["delta"].get("tool_calls") or []:
-                assert call["id"] is None or TOOL_CALL_ID.match(call["id"]), call["id"]
+                assert call.get("id") is None or TOOL_CALL_ID.match(call["id"]), call["id"]
     assert sorted(first_delta) == list(range(n))
     assert all(d["role"] == "assistant" for d in first_delta.values())
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"], "usage comes last, on its own"
