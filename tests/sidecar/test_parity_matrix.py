@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import requests
 
 from tests.harness.forced import MULTIBYTE, OUTPUTS, Forcer
 from tests.harness.openai_views import (
@@ -22,11 +21,16 @@ from tests.harness.openai_views import (
     chat_stream_full_view,
     completion_full_view,
     completion_stream_full_view,
-    sse_events,
 )
 from tests.harness.overlap import in_background
 from tests.sidecar.support import SERVED
-from tests.sidecar.test_parity import check_chat_shape, check_chat_stream_shape, check_path_taken, path_counters
+from tests.sidecar.test_parity import (
+    check_chat_shape,
+    check_chat_stream_shape,
+    check_path_taken,
+    path_counters,
+    post_raw,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.parity]
 
@@ -84,29 +88,24 @@ def chat_request(forcer: Forcer, case: str, stream: bool, n: int) -> dict[str, A
     return body
 
 
-def post(url: str, path: str, body: dict[str, Any], request_id: str) -> Any:
-    resp = requests.post(url + path, json=body, headers={"X-Request-Id": request_id}, stream=bool(body["stream"]),
-                         timeout=120)
-    assert resp.status_code == 200, resp.text[:1000]
-    return list(sse_events(resp.iter_lines())) if body["stream"] else resp.json()
-
-
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("case", list(CHAT_CASES))
 def test_chat_matrix(engine_set, forcer, inline_sidecar, chained_sidecar, case: str, stream: bool, n: int) -> None:
     body = chat_request(forcer, case, stream, n)
     request_id = f"matrix-{case}-{int(stream)}-{n}"
-    reference = in_background(lambda: post(engine_set.url("coupled"), "/v1/chat/completions", body, request_id))
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, request_id))
     view = chat_stream_full_view if stream else chat_full_view
     got = {}
     for path, sidecar in (("inline", inline_sidecar), ("chained", chained_sidecar)):
         before = path_counters(sidecar)
-        got[path] = post(sidecar.url, "/v1/chat/completions", body, request_id)
+        got[path] = post_raw(sidecar.url, "/v1/chat/completions", body, request_id)
         check_path_taken(before, path_counters(sidecar), path, "derender", stream)
     want = view(reference.result())
     for path, answer in got.items():
         assert view(answer) == want, path
+        if not stream:
+            assert answer["id"] == reference.result()["id"], path  # chatcmpl-<X-Request-Id>
         if stream:
             check_chat_stream_shape([e for e in answer if e != "[DONE]"], request_id, n)
         else:
@@ -142,9 +141,9 @@ def test_completions_matrix(engine_set, forcer, inline_sidecar, chained_sidecar,
     continuous = body.pop("continuous_usage", False)
     if stream:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous}
-    reference = in_background(lambda: post(engine_set.url("coupled"), "/v1/completions", body, "ref"))
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/completions", body, f"matrix-{case}"))
     view = completion_stream_full_view if stream else completion_full_view
-    got = {path: post(sidecar.url, "/v1/completions", body, f"matrix-{case}")
+    got = {path: post_raw(sidecar.url, "/v1/completions", body, f"matrix-{case}")
            for path, sidecar in (("inline", inline_sidecar), ("chained", chained_sidecar))}
     want = view(reference.result())
     for path, answer in got.items():
