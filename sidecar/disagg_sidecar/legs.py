@@ -98,6 +98,21 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def without_stop_strings(client_body: bytes) -> bytes:
+    """The client's request as derender's parser context: without ``stop``.
+
+    The decode engine applies the stop strings and the sidecar cuts the text where it matched
+    (``chained``); derender never needs them, and vLLM 0.33's streaming derender rejects a
+    request that has them."""
+    if b'"stop"' not in client_body:
+        return client_body
+    body = json.loads(client_body)
+    if not isinstance(body, dict) or "stop" not in body:
+        return client_body
+    body.pop("stop")
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 class DerenderLeg:
     """Derender-tier bodies for one request, built by splicing bytes.
 
@@ -111,6 +126,7 @@ class DerenderLeg:
         self.chain = chain
         self.keep_stop = keep_stop  # the client's include_stop_str_in_output (see derender_fixes)
         self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
+        client_body = without_stop_strings(client_body)
         n = len(prompt_token_ids)
         ids = _json(prompt_token_ids)
         model_part = b'"model":' + _json(model) + b"," if model else b""

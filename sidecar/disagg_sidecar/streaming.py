@@ -6,7 +6,9 @@ chunk too; ``[DONE]`` never. The derender tier replays a choice's whole output o
 its cost grows with calls² × tokens (cpu-engine-notes.md §6). Coalescing bounds the number of
 calls by the tier's speed instead of the token count: each choice index has one lane that sends
 the first chunk at once and, while that call is in flight, collects what arrives and sends it as
-one merged chunk next. Merging is exact: the state records merged chunks as one.
+one merged chunk next. Merging is exact: the state records merged chunks as one. With ``hold``
+(a request with stop strings, whose cut can reach back into text already decoded) a lane sends
+its choice once it finished, as one chunk (``chained``).
 
 This module does no I/O itself: the derender call and the client write are passed in.
 """

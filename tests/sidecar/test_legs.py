@@ -177,3 +177,14 @@ def test_rendered_makes_the_default_max_tokens_explicit() -> None:
     fixed = legs.rendered(body)
     assert fixed["sampling_params"]["max_tokens"] == 16 and "max_tokens" not in body["sampling_params"]
     assert legs.rendered(gen())["sampling_params"]["max_tokens"] == 256
+
+
+def test_derender_context_has_no_stop_strings() -> None:
+    # The engine applies them and the sidecar cuts; vLLM 0.33's streaming derender rejects them.
+    raw = json.dumps({"model": "m", "messages": [], "stop": ["x"], "include_stop_str_in_output": True}).encode()
+    leg = legs.DerenderLeg("chat", raw, [1, 2])
+    sent = json.loads(leg.stream({"choices": []}, None))
+    assert "stop" not in sent["chat_request"] and sent["chat_request"]["include_stop_str_in_output"] is True
+    plain = b'{"model":"m","messages":[]}'
+    assert legs.without_stop_strings(plain) is plain
+    assert legs.without_stop_strings(b'{"messages":[{"content":"say \\"stop\\""}]}') == b'{"messages":[{"content":"say \\"stop\\""}]}'

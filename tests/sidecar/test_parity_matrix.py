@@ -23,7 +23,9 @@ from tests.harness.openai_views import (
     completion_stream_full_view,
 )
 from tests.harness.overlap import in_background
-from tests.sidecar.support import SERVED
+from disagg_sidecar import wire
+from tests.sidecar.conftest import TOKENS_ONLY
+from tests.sidecar.support import SERVED, recording_proxy, run_sidecar, sidecar_config
 from tests.sidecar.test_parity import (
     check_chat_shape,
     check_chat_stream_shape,
@@ -148,3 +150,22 @@ def test_completions_matrix(engine_set, forcer, inline_sidecar, chained_sidecar,
     want = view(reference.result())
     for path, answer in got.items():
         assert view(answer) == want, path
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+def test_derender_tier_never_gets_stop_strings(engine_set, forcer, stream: bool) -> None:
+    """The decode engine applies the stop strings; the cut is the sidecar's (vLLM 0.33's streaming
+    derender rejects ``stop``): no derender call carries them, and the answer is still coupled's."""
+    body = {**forcer.chat_body("plain", stream=stream, n=2), "stop": ["zzz", "is Par"]}
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, "no-stop"))
+    with recording_proxy(engine_set.url("render")) as derender:
+        config = sidecar_config(engine_set, decode={"capabilities": TOKENS_ONLY}, derender={"url": derender.url})
+        with run_sidecar(config) as sidecar:
+            got = post_raw(sidecar.url, "/v1/chat/completions", body, "no-stop")
+    view = chat_stream_full_view if stream else chat_full_view
+    assert view(got) == view(reference.result())
+    contexts = [b.get("chat_request") or b.get("completion_request") for b in derender.bodies(wire.CHAT_DERENDER)
+                + derender.bodies(wire.COMPLETIONS_DERENDER)]
+    assert contexts and all(c is not None and "stop" not in c for c in contexts)
+    # the cut: one plain-text call per batch answer, one per held choice of a stream
+    assert derender.count(wire.COMPLETIONS_DERENDER) == (2 if stream else 1)
