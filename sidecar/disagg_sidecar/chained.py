@@ -68,14 +68,16 @@ class Options:
 
 # -- pure pieces ---------------------------------------------------------------------------------
 
-def stop_cut(text: str, stop: str, include: bool) -> str:
+def stop_cut(text: str, stop: str, include: bool, unchecked: str = "") -> str:
     """The text the engine keeps for a choice that ``stop`` ended.
 
-    The engine stops at the token that completes the first occurrence of a stop string and
-    truncates its text there (before it, or after it with ``include_stop_str_in_output``);
-    ``stop`` is the string it reported as ``stop_reason``, so locating it is all that is left.
+    The engine checks each step's new text (with ``len(stop) - 1`` characters before it) for its
+    stop strings, stops at the first match and truncates there (before it, or after it with
+    ``include_stop_str_in_output``). ``stop`` is the string it reported as ``stop_reason``, so
+    locating it is all that is left: its first occurrence in the checked text, which starts after
+    ``unchecked`` (the text of the first ``min_tokens`` tokens, whose steps are not checked).
     """
-    at = text.find(stop)
+    at = text.find(stop, max(0, len(unchecked) + 1 - len(stop)) if unchecked else 0)
     if at < 0:
         return text
     return text[: at + len(stop)] if include else text[:at]
@@ -129,11 +131,19 @@ def stream_finish_reason(derendered: str | None, generated: str | None) -> str |
 
 # -- tier calls ----------------------------------------------------------------------------------
 
+async def kept_texts(choices: list[Mapping[str, Any]], opts: Options, tier: TierCall) -> list[str]:
+    """For choices a stop string ended: the text the engine kept (one plain-text derender call)."""
+    skip = int(opts.sampling.get("min_tokens") or 0)
+    sent = [*choices, *({**c, "token_ids": (c.get("token_ids") or [])[:skip]} for c in choices if skip)]
+    texts = [c["text"] for c in (await tier("derender", wire.COMPLETIONS_DERENDER, text_body(sent, opts), "stop"))["choices"]]
+    unchecked = texts[len(choices):] if skip else [""] * len(choices)
+    return [stop_cut(text, str(choice["stop_reason"]), opts.keep_stop, before)
+            for text, choice, before in zip(texts, choices, unchecked)]
+
+
 async def cut_token_ids(choices: list[Mapping[str, Any]], opts: Options, tier: TierCall) -> list[list[int]]:
     """For choices a stop string ended: token ids whose decoding is the text the engine kept."""
-    texts = await tier("derender", wire.COMPLETIONS_DERENDER, text_body(choices, opts), "stop")
-    kept = [stop_cut(c["text"], str(choice["stop_reason"]), opts.keep_stop)
-            for c, choice in zip(texts["choices"], choices)]
+    kept = await kept_texts(choices, opts, tier)
     wanted = [t for t in kept if t]
     ids = iter(await tier("render", wire.COMPLETIONS_RENDER, tokenize_body(wanted, opts), "stop") if wanted else [])
     return [next(ids)[wire.TOKEN_IDS] if t else [] for t in kept]
@@ -166,11 +176,13 @@ async def completion_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: 
     ready = generate_for_derender(out, opts.keep_stop)
     resp = await tier("derender", leg.path, leg.batch(streaming.dumps(ready)), "batch")
     gen_choices = out.get("choices") or []
+    cut = [c for c in gen_choices if cut_by_stop_string(c)]
+    kept = dict(zip((c.get("index", 0) for c in cut), await kept_texts(cut, opts, tier))) if cut else {}
     for c in resp.get("choices", []):
         source = gen_choices[c["index"]] if c.get("index", 0) < len(gen_choices) else {}
         c["token_ids"] = source.get("token_ids")
-        if cut_by_stop_string(source):
-            c["text"] = stop_cut(c.get("text") or "", str(source["stop_reason"]), opts.keep_stop)
+        if source.get("index", 0) in kept:
+            c["text"] = kept[source.get("index", 0)]
     resp["usage"] = out.get("usage") or resp.get("usage")
     return resp
 
@@ -236,8 +248,9 @@ class CompletionStream:
         for c in out.get("choices") or []:
             c["token_ids"] = gen_choice.get("token_ids")
         if self.opts.has_stop and state is None and cut_by_stop_string(gen_choice):
+            (kept,) = await kept_texts([gen_choice], self.opts, self.tier)
             for c in out.get("choices") or []:
-                c["text"] = stop_cut(c.get("text") or "", str(gen_choice["stop_reason"]), self.opts.keep_stop)
+                c["text"] = kept
         return out, data["stream_state"]
 
 

@@ -30,6 +30,13 @@ def test_stop_cut(text: str, stop: str, include: bool, kept: str) -> None:
     assert chained.stop_cut(text, stop, include) == kept
 
 
+def test_stop_cut_skips_what_min_tokens_left_unchecked() -> None:
+    # min_tokens: the engine checks no step before the first min_tokens tokens
+    assert chained.stop_cut("The capital of France", "a", False, unchecked="The capital of") == "The capital of Fr"
+    # a stop string may still start in the unchecked text and end after it
+    assert chained.stop_cut("abcdef", "cde", False, unchecked="abcd") == "ab"
+
+
 def test_only_a_stop_string_cuts_text() -> None:
     assert chained.cut_by_stop_string({"finish_reason": "stop", "stop_reason": "x"})
     assert not chained.cut_by_stop_string({"finish_reason": "stop", "stop_reason": 151645})  # a stop token
