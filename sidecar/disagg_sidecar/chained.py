@@ -221,7 +221,9 @@ class ChatStream:
             c["finish_reason"] = stream_finish_reason(c.get("finish_reason"), gen_choice.get("finish_reason"))
             if c.get("token_ids") is not None:
                 c["token_ids"] = gen_choice.get("token_ids") or []
-            if resolved is not None:
+            if c.get("logprobs") is not None:  # a render tier without parsers resolves them itself
+                c["logprobs"] = trim_top_logprobs(c["logprobs"], self.opts.top_logprobs)
+            elif resolved is not None:
                 c["logprobs"] = resolved
         if self.opts.return_token_ids and state is None and choices:
             out["prompt_token_ids"] = self.opts.prompt_token_ids  # coupled: with a choice's first chunk

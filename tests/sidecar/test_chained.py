@@ -74,6 +74,16 @@ def test_text_and_tokenize_bodies_decode_and_encode_as_the_engine_did() -> None:
     assert tok["prompt"] == ["a", "b"] and tok["add_special_tokens"] is False
 
 
+def _resolved(logprobs: Any) -> Any:
+    """Entries with their token text, as derender resolves them (one character per id here)."""
+    if not logprobs:
+        return logprobs
+    def one(e: dict) -> dict:
+        return {"token": chr(96 + e["token_id"]), "logprob": e["logprob"]}
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.get("top_logprobs") or []]}
+                        for e in logprobs["content"]]}
+
+
 class Tier:
     """Records every call; the derender tier echoes token ids as text (one character per id)."""
 
@@ -89,8 +99,8 @@ class Tier:
         if path == wire.COMPLETIONS_RENDER:
             return [{"token_ids": [ord(ch) - 96 for ch in p]} for p in data["prompt"]]
         choices = data["generate_response"]["choices"]
-        return {"choices": [{"index": c["index"], "finish_reason": c["finish_reason"], "stop_reason": c["stop_reason"],
-                             "logprobs": c.get("logprobs"), "token_ids": c["token_ids"],
+        return {"choices": [{"index": c["index"], "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason"),
+                             "logprobs": _resolved(c.get("logprobs")), "token_ids": c["token_ids"],
                              "message": {"role": "assistant", "content": "".join(chr(96 + t) for t in c["token_ids"])}}
                             for c in choices]}
 
@@ -119,3 +129,53 @@ async def test_chat_batch_without_stop_strings_is_one_call() -> None:
     await chained.chat_batch(out, legs.DerenderLeg("chat", b"{}", PROMPT), opts(), shape, tier)
     assert [c[3] for c in tier.calls] == ["batch"]
     assert tier.calls[0][2]["generate_response"]["choices"][0]["token_ids"] == [1], "EOS is not decoded"
+
+
+class StreamTier(Tier):
+    """Streaming derender stand-in: the parser path (no logprobs), state = the ids so far."""
+
+    async def __call__(self, tier: str, path: str, body: bytes, kind: str) -> Any:
+        data = json.loads(body)
+        if data.get("stream"):
+            self.calls.append((tier, path, data, kind))
+            c = data["generate_chunk"]["choices"][0]
+            state = data["stream_state"] or {"output_token_ids": []}
+            out = {"index": c["index"], "delta": {"content": "".join(chr(96 + t) for t in c["token_ids"])},
+                   "finish_reason": "tool_calls" if c["finish_reason"] else None, "token_ids": c["token_ids"]}
+            return {"chunk": {"choices": [out]},
+                    "stream_state": {"output_token_ids": state["output_token_ids"] + c["token_ids"]}}
+        return await super().__call__(tier, path, body, kind)
+
+
+def stream_chunk(ids: list[int], finish: str | None = None, stop_reason: Any = None) -> dict:
+    entries = [{"token_id": t, "logprob": -1.0, "top_logprobs": [{"token_id": t, "logprob": -1.0}] * 2} for t in ids]
+    return {"request_id": "g", "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish,
+                                            "stop_reason": stop_reason, "logprobs": {"content": entries}}]}
+
+
+async def test_chat_stream_adds_logprobs_engine_ids_and_the_engine_finish_reason() -> None:
+    tier = StreamTier()
+    call = chained.ChatStream(legs.DerenderLeg("chat", b"{}", PROMPT),
+                              opts(body={"logprobs": True, "top_logprobs": 1, "return_token_ids": True}), tier,
+                              logprobs=True)
+    first, state = await call(stream_chunk([1, 2, 3, 4, 5]), None)
+    assert first["prompt_token_ids"] == PROMPT
+    last, _ = await call(stream_chunk([6, 7], finish="length"), state)
+    choice = last["choices"][0]
+    assert choice["finish_reason"] == "length", "a length cut stays length after a streamed call"
+    assert choice["token_ids"] == [6, 7] and "prompt_token_ids" not in last
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["f", "g"]
+    assert all(len(e["top_logprobs"]) == 1 for e in choice["logprobs"]["content"])
+    # the logprob call carried the four ids before this chunk as context, then dropped them
+    resolve = [c for c in tier.calls if c[3] == "logprobs"][-1][2]
+    assert resolve["generate_response"]["choices"][0]["token_ids"] == [2, 3, 4, 5, 6, 7]
+
+
+async def test_chat_stream_cuts_a_held_choice_at_its_stop_string() -> None:
+    tier = StreamTier()
+    call = chained.ChatStream(legs.DerenderLeg("chat", b"{}", PROMPT), opts(sampling={"stop": ["cd"]}), tier,
+                              logprobs=False)
+    assert call.hold
+    out, _ = await call(stream_chunk([1, 2, 3, 4, 5], finish="stop", stop_reason="cd"), None)
+    assert out["choices"][0]["delta"]["content"] == "ab" and out["choices"][0]["finish_reason"] == "tool_calls"
+    assert out["choices"][0]["token_ids"] == [1, 2, 3, 4, 5]
