@@ -34,6 +34,7 @@ from disagg_sidecar.derender_fixes import generate_for_derender
 # (tier, path, body, metrics kind) -> the tier's JSON answer; raises the sidecar's errors.
 TierCall = Callable[[str, str, bytes, str], Awaitable[Any]]
 
+EMPTY_PROBE = "\U0010FFFD"  # a private-use character: no tokenizer has it as one token
 LOGPROB_CONTEXT = 4  # sampled ids vLLM's logprob token repair looks back at (online_derenderer)
 
 
@@ -141,12 +142,19 @@ async def kept_texts(choices: list[Mapping[str, Any]], opts: Options, tier: Tier
             for text, choice, before in zip(texts, choices, unchecked)]
 
 
-async def cut_token_ids(choices: list[Mapping[str, Any]], opts: Options, tier: TierCall) -> list[list[int]]:
-    """For choices a stop string ended: token ids whose decoding is the text the engine kept."""
+async def cut_token_ids(choices: list[Mapping[str, Any]], opts: Options, tier: TierCall,
+                        batch: bool = False) -> list[list[int]]:
+    """For choices a stop string ended: token ids whose decoding is the text the engine kept.
+
+    Nothing kept (the stop string starts the answer): a batch derender rejects empty ids, so it
+    gets the first byte of a character the tokenizer splits into bytes, which decodes to nothing
+    (vLLM's detokenizer waits for the rest) and the parser sees "" as on the coupled server."""
     kept = await kept_texts(choices, opts, tier)
-    wanted = [t for t in kept if t]
+    texts = [t if t or not batch else EMPTY_PROBE for t in kept]
+    wanted = [t for t in texts if t]
     ids = iter(await tier("render", wire.COMPLETIONS_RENDER, tokenize_body(wanted, opts), "stop") if wanted else [])
-    return [next(ids)[wire.TOKEN_IDS] if t else [] for t in kept]
+    out = [next(ids)[wire.TOKEN_IDS] if t else [] for t in texts]
+    return [i[:1] if t == EMPTY_PROBE and not k else i for i, t, k in zip(out, texts, kept)]
 
 
 async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Options, shape: responses.Shape,
@@ -155,7 +163,7 @@ async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Option
     ready = generate_for_derender(out, opts.keep_stop)
     cut = [c for c in ready["choices"] if cut_by_stop_string(c)]
     if cut:
-        ids = dict(zip((c.get("index", 0) for c in cut), await cut_token_ids(cut, opts, tier)))
+        ids = dict(zip((c.get("index", 0) for c in cut), await cut_token_ids(cut, opts, tier, batch=True)))
         ready["choices"] = [{**c, "token_ids": ids[c.get("index", 0)]} if c.get("index", 0) in ids else c
                             for c in ready["choices"]]
     resp = await tier("derender", leg.path, leg.batch(streaming.dumps(ready)), "batch")

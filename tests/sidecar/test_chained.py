@@ -179,3 +179,14 @@ async def test_chat_stream_cuts_a_held_choice_at_its_stop_string() -> None:
     out, _ = await call(stream_chunk([1, 2, 3, 4, 5], finish="stop", stop_reason="cd"), None)
     assert out["choices"][0]["delta"]["content"] == "ab" and out["choices"][0]["finish_reason"] == "tool_calls"
     assert out["choices"][0]["token_ids"] == [1, 2, 3, 4, 5]
+
+
+async def test_nothing_kept_is_derendered_from_one_byte_that_decodes_to_nothing() -> None:
+    tier = Tier()
+    out = {"request_id": "g", "choices": [
+        {"index": 0, "token_ids": [3, 4], "finish_reason": "stop", "stop_reason": "c", "logprobs": None}]}
+    shape = responses.Shape(id="chatcmpl-r", created=1, model="m", prompt_tokens=3)
+    await chained.chat_batch(out, legs.DerenderLeg("chat", b"{}", PROMPT), opts(sampling={"stop": ["c"]}), shape, tier)
+    assert tier.calls[1][2]["prompt"] == [chained.EMPTY_PROBE]
+    probe_ids = [ord(ch) - 96 for ch in chained.EMPTY_PROBE]
+    assert tier.calls[2][2]["generate_response"]["choices"][0]["token_ids"] == probe_ids[:1]

@@ -65,6 +65,8 @@ CHAT_CASES: dict[str, Case] = {
     # " is" + " Paris": the stop string starts and ends inside tokens; the first of several can miss
     "stop_straddling": _chat("plain", stop=["zzz", "is Par"]),
     "stop_straddling_kept": _chat("plain", stop=["is Par"], include_stop_str_in_output=True),
+    "stop_at_the_start": _chat("plain", stop=["The"]),  # nothing kept
+    "stop_at_the_start_of_reasoning": _chat("reasoning", stop=["<think>"]),
     "stop_after_min_tokens": _chat("plain", stop=["a"], min_tokens=3),  # "capital" has one too, unchecked
     "stop_in_reasoning_with_logprobs": _chat("reasoning", stop=["briefly"], logprobs=True, top_logprobs=2),
     "stop_token_ids": lambda f: {**f.chat_body("plain"), "stop_token_ids": [_ids(f, "plain")[4]]},
