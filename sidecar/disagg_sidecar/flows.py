@@ -172,8 +172,7 @@ class Flows:
         prefilled = await self.prefill(gen, ctx)
         kv = prefilled.kv
         shape = self._shape(body, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")
-        derender = legs.DerenderLeg("chat", raw, gen[wire.TOKEN_IDS],
-                                    keep_stop=bool(body.get("include_stop_str_in_output")))
+        derender = legs.DerenderLeg("chat", raw, gen[wire.TOKEN_IDS])
         opts = chained.Options.of(body, gen)
         if not body.get("stream"):
             out_raw, out = await self._decode_batch(gen, kv, decode_plan, ctx, raw)

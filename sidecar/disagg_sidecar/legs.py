@@ -121,10 +121,8 @@ class DerenderLeg:
     spliced in as the bytes they arrived as where possible.
     """
 
-    def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None,
-                 keep_stop: bool = False):
+    def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None):
         self.chain = chain
-        self.keep_stop = keep_stop  # the client's include_stop_str_in_output (see derender_fixes)
         self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
         client_body = without_stop_strings(client_body)
         n = len(prompt_token_ids)
