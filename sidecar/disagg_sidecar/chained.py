@@ -1,7 +1,7 @@
 """The chained path (a decode engine answering ``tokens``, the derender tier making the answer)
 made equal to the coupled endpoint where the derender endpoints alone are not.
 
-What vLLM's derender endpoints leave out (vLLM 0.32, cpu-engine-notes.md §5), and how it is put back:
+What vLLM's derender endpoints leave out (checked on vLLM 0.32), and how it is put back:
 - stop strings: the decode engine applies them (render's ``sampling_params`` carry ``stop``) and
   reports the one that ended a choice as ``stop_reason``, but its token ids run to the end of the
   token that completed the match, and derender decodes them all. For such a choice the sidecar asks
@@ -35,7 +35,7 @@ from disagg_sidecar.derender_fixes import generate_for_derender
 TierCall = Callable[[str, str, bytes, str], Awaitable[Any]]
 
 EMPTY_PROBE = "\U0010FFFD"  # a private-use character: no tokenizer has it as one token
-LOGPROB_CONTEXT = 4  # sampled ids vLLM's logprob token repair looks back at (online_derenderer)
+LOGPROB_CONTEXT = 4  # sampled ids vLLM's repair of byte-fallback logprob tokens looks back at
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Options:
     prompt_token_ids: list[int]
     sampling: Mapping[str, Any]  # render's sampling_params: what the decode engine applied
     top_logprobs: int = 0
-    hide_metadata: bool = False  # include_reasoning false: coupled streams no logprobs
+    hide_metadata: bool = False  # include_reasoning false: coupled shows no logprobs
     parallel_tool_calls: bool = True
     return_token_ids: bool = False
 
