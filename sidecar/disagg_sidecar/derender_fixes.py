@@ -26,13 +26,14 @@ def ended_on_stop_token(choice: Mapping[str, Any]) -> bool:
 
 
 def without_stop_token(choice: Mapping[str, Any], include_stop_str_in_output: bool = False) -> dict[str, Any]:
-    """A generate choice (or stream chunk choice) whose final stop token will not be decoded."""
+    """A generate choice (or stream chunk choice) whose final stop token will not be decoded.
+
+    Its logprob entry stays: coupled reports one for every sampled token, the stop token too,
+    and derender resolves the entries independently of the ids it decodes."""
     out = dict(choice)
     ids = out.get("token_ids") or []
     if ids and not include_stop_str_in_output and ended_on_stop_token(out):
         out["token_ids"] = ids[:-1]
-        if isinstance(out.get("logprobs"), Mapping) and out["logprobs"].get("content"):
-            out["logprobs"] = {**out["logprobs"], "content": out["logprobs"]["content"][: len(ids) - 1]}
     return out
 
 
@@ -50,11 +51,12 @@ def tool_call_id(call_id: Any) -> Any:
 
 
 def chat_finish_reason(finish_reason: str | None, has_tool_calls: bool, tool_choice: Any = None) -> str | None:
-    """vLLM's chat rule: parsed calls (not a named ``tool_choice``), or ``required`` ending
-    normally, finish as ``tool_calls``; a named choice keeps ``stop`` (checked on 0.32)."""
-    if finish_reason != "stop":
-        return finish_reason
-    if tool_choice == "required" or (has_tool_calls and not isinstance(tool_choice, Mapping)):
+    """vLLM's batch chat rule (checked on 0.32): ``required`` ending normally finishes as
+    ``tool_calls``; with ``auto`` any end that parsed calls does, a ``length`` cut after a
+    complete call too; a named ``tool_choice`` keeps the engine's reason."""
+    if tool_choice == "required":
+        return "tool_calls" if finish_reason == "stop" else finish_reason
+    if finish_reason is not None and has_tool_calls and not isinstance(tool_choice, Mapping):
         return "tool_calls"
     return finish_reason
 

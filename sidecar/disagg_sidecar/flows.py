@@ -21,10 +21,9 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg_sidecar import legs, plan, responses, streaming, wire
+from disagg_sidecar import chained, legs, plan, responses, streaming, wire
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.connectors import KVConnector
-from disagg_sidecar.derender_fixes import generate_for_derender
 from disagg_sidecar.errors import SidecarError, error_body
 from disagg_sidecar.exchange import Context, Prefilled, SSEWriter, chunks, leg_failure, streamed_error, with_raw_field
 from disagg_sidecar.metrics import Metrics
@@ -108,6 +107,14 @@ class Flows:
             raise SidecarError.upstream(reply.status, reply.body, "derender")
         return reply.json()
 
+    def _tier(self, ctx: Context) -> chained.TierCall:
+        """Calls to the render/derender tiers for the chained path's extra steps."""
+        async def call(tier: str, path: str, body: bytes, kind: str) -> Any:
+            if tier == "render":
+                return await self.render(path, body, ctx)
+            return await self._derender(body, ctx, path, kind)
+        return call
+
     def _shape(self, body: Mapping[str, Any], gen: Mapping[str, Any], prefilled: Prefilled, created: int,
                response_id: str, index_offset: int = 0) -> responses.Shape:
         return responses.Shape(
@@ -162,19 +169,17 @@ class Flows:
     async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
         created = int(time.time())
         decode_plan = plan.decode_plan("chat", body, self.capabilities())
-        gen = await self.render(wire.CHAT_RENDER, raw, ctx)
+        gen = legs.rendered(await self.render(wire.CHAT_RENDER, raw, ctx))
         decode_plan = plan.fit_to_render(decode_plan, gen)
         prefilled = await self.prefill(gen, ctx)
         kv = prefilled.kv
         shape = self._shape(body, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")
-        derender = legs.DerenderLeg("chat", raw, gen[wire.TOKEN_IDS],
-                                    keep_stop=bool(body.get("include_stop_str_in_output")))
+        derender = legs.DerenderLeg("chat", raw, gen[wire.TOKEN_IDS])
+        opts = chained.Options.of(body, gen)
         if not body.get("stream"):
             out_raw, out = await self._decode_batch(gen, kv, decode_plan, ctx, raw)
             if (out.get(wire.OUTPUT_MODE) or "tokens") == "tokens":
-                tokens = streaming.dumps(generate_for_derender(out, bool(body.get("include_stop_str_in_output"))))
-                result = responses.chat_from_derender(
-                    await self._derender(derender.batch(tokens), ctx, derender.path, "batch"), shape, out)
+                result = await chained.chat_batch(out, derender, opts, shape, self._tier(ctx))
             else:
                 result = responses.chat_from_generate(out, shape, gen[wire.TOKEN_IDS])
             return web.json_response(result, headers=ctx.response_headers(), dumps=_dumps)
@@ -182,7 +187,8 @@ class Flows:
         first: set[int] = set()
 
         async def run() -> None:
-            usage = await self._stream_prompt(gen, kv, decode_plan, ctx, derender, raw, writer,
+            stream_call = chained.ChatStream(derender, opts, self._tier(ctx), logprobs=bool(body.get("logprobs")))
+            usage = await self._stream_prompt(gen, kv, decode_plan, ctx, stream_call, raw, writer,
                                               lambda chunk: responses.chat_chunk(chunk, shape, first=first))
             if usage is not None:
                 await writer.send(responses.usage_chunk("chat.completion.chunk", shape, shape.usage(usage)))
@@ -195,7 +201,7 @@ class Flows:
                           ctx: Context) -> web.StreamResponse:
         created = int(time.time())
         decode_plan = plan.decode_plan("completions", body, self.capabilities())
-        gens = await self.render(wire.COMPLETIONS_RENDER, raw, ctx)
+        gens = [legs.rendered(g) for g in await self.render(wire.COMPLETIONS_RENDER, raw, ctx)]
         n = int(body.get("n") or 1)
         response_id = f"cmpl-{ctx.request_id}"
 
@@ -207,7 +213,7 @@ class Flows:
             out_raw, out = await self._decode_batch(gen, prefilled.kv, decode_plan, ctx, None)
             if (out.get(wire.OUTPUT_MODE) or "tokens") != "text":
                 derender = legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS])
-                out = await self._derender(derender.batch(out_raw), ctx, derender.path, "batch")
+                out = await chained.completion_batch(out, derender, chained.Options.of(body, gen), self._tier(ctx))
             s = shape(i, prefilled)
             return responses.completion_choices(out, s, gen[wire.TOKEN_IDS]), s.usage(out.get("usage"))
 
@@ -227,7 +233,8 @@ class Flows:
 
         async def stream_one(i: int, gen: Mapping[str, Any]) -> Any:
             derender = legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS])
-            usage = await self._stream_prompt(gen, prefilled[i].kv, decode_plan, ctx, derender, None, writer,
+            stream_call = chained.CompletionStream(derender, chained.Options.of(body, gen), self._tier(ctx))
+            usage = await self._stream_prompt(gen, prefilled[i].kv, decode_plan, ctx, stream_call, None, writer,
                                               lambda chunk: responses.completion_chunk(chunk, shapes[i]))
             return shapes[i].usage(usage) if usage is not None else None
 
@@ -264,8 +271,8 @@ class Flows:
         return writer.response
 
     async def _stream_prompt(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
-                             ctx: Context, derender: legs.DerenderLeg, chat_raw: bytes | None, writer: SSEWriter,
-                             shaper: Shaper) -> Any:
+                             ctx: Context, stream_call: chained.StreamCall, chat_raw: bytes | None,
+                             writer: SSEWriter, shaper: Shaper) -> Any:
         """Stream one prompt's decode leg to the client; returns its usage (sent by the caller)."""
         mode = decode_plan.mode
         while True:
@@ -274,14 +281,14 @@ class Flows:
                 async with self.up.decode(self._decode_body(gen, kv, mode, decode_plan.context, chat_raw),
                                           ctx.headers, ctx.inflight) as resp:
                     if resp.status == 200:
-                        return await self._relay(resp, mode, ctx, derender, writer, shaper)
+                        return await self._relay(resp, mode, stream_call, writer, shaper)
                     status, raw = resp.status, await resp.read()
             except LegError as exc:
                 raise leg_failure(exc) from exc
             mode = self._after_refusal(status, raw, mode, decode_plan)
 
-    async def _relay(self, resp, mode: wire.OutputMode, ctx: Context, derender: legs.DerenderLeg,
-                     writer: SSEWriter, shaper: Shaper) -> Any:
+    async def _relay(self, resp, mode: wire.OutputMode, stream_call: chained.StreamCall, writer: SSEWriter,
+                     shaper: Shaper) -> Any:
         usage: list[Any] = []
 
         async def emit(chunk: Mapping[str, Any]) -> None:
@@ -292,17 +299,11 @@ class Flows:
             if out is not None:
                 await writer.send(out)
 
-        async def call(chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
-            if derender.chain == "chat":
-                chunk = generate_for_derender(chunk, derender.keep_stop)
-            data = await self._derender(derender.stream(chunk, state), ctx, derender.path, "stream")
-            return data["chunk"], data["stream_state"]
-
         def on_call(merged: int) -> None:
             if merged > 1:
                 self.metrics.coalesced_chunks.inc(merged - 1)
 
-        chained: streaming.ChainedDerender | None = None
+        chain: streaming.ChainedDerender | None = None
         parser = streaming.SSEParser()
         error: dict[str, Any] | None = None
         try:
@@ -315,19 +316,19 @@ class Flows:
                         error = event["error"]
                         continue
                     if (event.get(wire.OUTPUT_MODE) or "tokens") == "tokens":
-                        if chained is None:
+                        if chain is None:
                             if mode != "tokens":
                                 self.metrics.mode_fallbacks.labels(mode).inc()
-                            chained = streaming.ChainedDerender(call, emit, coalesce=self.config.limits.coalesce,
-                                                                on_call=on_call)
-                        chained.feed(event)
+                            chain = streaming.ChainedDerender(stream_call, emit, coalesce=self.config.limits.coalesce,
+                                                              hold=stream_call.hold, on_call=on_call)
+                        chain.feed(event)
                     else:
                         await emit(event)
-            if chained is not None:
-                await chained.finish()
+            if chain is not None:
+                await chain.finish()
         finally:
-            if chained is not None:
-                await chained.cancel()
+            if chain is not None:
+                await chain.cancel()
         if error is not None:
             raise streamed_error(error)
         return usage[-1] if usage else None

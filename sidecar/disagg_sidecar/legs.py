@@ -75,6 +75,20 @@ def decode_leg(
     return body
 
 
+# SamplingParams' own default, which render's serialisation leaves out when the client asked for it.
+SAMPLING_DEFAULT_MAX_TOKENS = 16
+
+
+def rendered(gen: Mapping[str, Any]) -> dict[str, Any]:
+    """Render's answer with ``max_tokens`` explicit: render always sets it (from the client or the
+    model's length) but omits a value equal to the default, and a generate server that is not
+    given one uses the whole context instead."""
+    sp = gen.get(wire.SAMPLING_PARAMS)
+    if not isinstance(sp, Mapping) or "max_tokens" in sp:
+        return dict(gen)
+    return {**gen, wire.SAMPLING_PARAMS: {**sp, "max_tokens": SAMPLING_DEFAULT_MAX_TOKENS}}
+
+
 def engine_request_id(request_id: str) -> str:
     """The id a generate server gives a request sent with ``X-Request-Id: request_id`` (for aborts)."""
     return wire.GENERATE_ID_PREFIX + request_id
@@ -82,6 +96,21 @@ def engine_request_id(request_id: str) -> str:
 
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def without_stop_strings(client_body: bytes) -> bytes:
+    """The client's request as derender's parser context: without ``stop``.
+
+    The decode engine applies the stop strings and the sidecar cuts the text where it matched
+    (``chained``); derender never needs them, and vLLM 0.33's streaming derender rejects a
+    request that has them."""
+    if b'"stop"' not in client_body:
+        return client_body
+    body = json.loads(client_body)
+    if not isinstance(body, dict) or "stop" not in body:
+        return client_body
+    body.pop("stop")
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class DerenderLeg:
@@ -92,11 +121,10 @@ class DerenderLeg:
     spliced in as the bytes they arrived as where possible.
     """
 
-    def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None,
-                 keep_stop: bool = False):
+    def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None):
         self.chain = chain
-        self.keep_stop = keep_stop  # the client's include_stop_str_in_output (see derender_fixes)
         self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
+        client_body = without_stop_strings(client_body)
         n = len(prompt_token_ids)
         ids = _json(prompt_token_ids)
         model_part = b'"model":' + _json(model) + b"," if model else b""

@@ -102,7 +102,7 @@ def chat_from_derender(resp: Mapping[str, Any], shape: Shape, generate: Mapping[
     choices = []
     for c in resp.get("choices", []):
         choice = _chat_choice(c, c["message"], shape)
-        if shape.return_token_ids:
+        if shape.return_token_ids and c.get("token_ids") is not None:  # None: hidden (include_reasoning)
             choice["token_ids"] = gen_choices.get(choice["index"], {}).get("token_ids")
         choices.append(choice)
     return chat_response(choices, generate.get("usage") or resp.get("usage"), shape,

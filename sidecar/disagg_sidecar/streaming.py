@@ -6,7 +6,9 @@ chunk too; ``[DONE]`` never. The derender tier replays a choice's whole output o
 its cost grows with calls² × tokens (cpu-engine-notes.md §6). Coalescing bounds the number of
 calls by the tier's speed instead of the token count: each choice index has one lane that sends
 the first chunk at once and, while that call is in flight, collects what arrives and sends it as
-one merged chunk next. Merging is exact: the state records merged chunks as one.
+one merged chunk next. Merging is exact: the state records merged chunks as one. With ``hold``
+(a request with stop strings, whose cut can reach back into text already decoded) a lane sends
+its choice once it finished, as one chunk (``chained``).
 
 This module does no I/O itself: the derender call and the client write are passed in.
 """
@@ -117,11 +119,12 @@ class ChainedDerender:
     calls are in flight; that is what gives the lanes something to coalesce.
     """
 
-    def __init__(self, call: DerenderCall, emit: Emit, *, coalesce: bool = True,
+    def __init__(self, call: DerenderCall, emit: Emit, *, coalesce: bool = True, hold: bool = False,
                  on_call: Callable[[int], None] = lambda merged: None):
         self._call = call
         self._emit = emit
         self._coalesce = coalesce
+        self._hold = hold  # send a choice only once it finished, as one merged chunk (stop strings)
         self._on_call = on_call  # called with the number of generate chunks in each call
         self._lanes: dict[int, _Lane] = {}
         self._tail: list[Chunk] = []  # usage-only chunks: sent after every lane is done
@@ -175,7 +178,9 @@ class ChainedDerender:
                 await lane.wake.wait()
                 lane.wake.clear()
                 while lane.pending:
-                    if self._coalesce:
+                    if self._hold and not lane.closed and not any(_finished(c) for c in lane.pending):
+                        break
+                    if self._hold or self._coalesce:
                         batch, lane.pending = lane.pending, []
                     else:
                         batch = [lane.pending.pop(0)]
@@ -187,6 +192,10 @@ class ChainedDerender:
         except BaseException as exc:
             self._error = exc
             raise
+
+
+def _finished(chunk: Chunk) -> bool:
+    return any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
 
 
 def split_events(payloads: Iterable[bytes]) -> tuple[list[Chunk], bool]:

@@ -28,7 +28,13 @@ def sse_events(lines: Iterable[bytes | str]) -> Iterator[dict[str, Any] | str]:
 
 
 def _args(arguments: str | None) -> Any:
-    return json.loads(arguments) if arguments else None
+    """Parsed arguments; a call cut short (``max_tokens``) streams a JSON prefix, kept as text."""
+    if not arguments:
+        return None
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 def chat_view(resp: dict[str, Any]) -> dict[str, Any]:
@@ -120,3 +126,86 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, int] | None:
 
 def tool_call_ids(resp: dict[str, Any]) -> list[str]:
     return [t["id"] for c in resp["choices"] for t in (c["message"].get("tool_calls") or [])]
+
+
+# -- full views: every field a client can ask for (the parity matrix) ---------------------------
+
+def _full_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not usage:
+        return None
+    return {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def chat_full_view(resp: dict[str, Any]) -> dict[str, Any]:
+    """``chat_view`` plus stop_reason, logprobs, token ids and prompt token ids."""
+    view = chat_view(resp)
+    for c in resp["choices"]:
+        view["choices"][c["index"]].update(stop_reason=c.get("stop_reason"), logprobs=c.get("logprobs"),
+                                           token_ids=c.get("token_ids"))
+    view["prompt_token_ids"] = resp.get("prompt_token_ids")
+    view["usage"] = _full_usage(resp.get("usage"))
+    return view
+
+
+def chat_stream_full_view(events: Iterable[dict[str, Any] | str]) -> dict[str, Any]:
+    """``chat_stream_view`` plus, per choice, stop_reason, the logprob entries and token ids in
+    order (None when no chunk had them), and which chunks carried usage (continuous usage stats:
+    the last count per choice)."""
+    events = list(events)
+    view = chat_stream_view(events)
+    extra: dict[int, dict[str, Any]] = defaultdict(lambda: {"stop_reason": None, "logprobs": None,
+                                                            "token_ids": None, "last_usage": None})
+    prompt_token_ids = None
+    for ev in events:
+        if ev == "[DONE]":
+            continue
+        if ev.get("prompt_token_ids") is not None and prompt_token_ids is None:
+            prompt_token_ids = ev["prompt_token_ids"]
+        for c in ev.get("choices", []):
+            slot = extra[c["index"]]
+            if c.get("finish_reason"):
+                slot["stop_reason"] = c.get("stop_reason")
+            if c.get("logprobs") is not None:
+                slot["logprobs"] = (slot["logprobs"] or []) + (c["logprobs"].get("content") or [])
+            if c.get("token_ids") is not None:
+                slot["token_ids"] = (slot["token_ids"] or []) + c["token_ids"]
+            if ev.get("usage"):
+                slot["last_usage"] = _full_usage(ev["usage"])
+    for i, choice in view["choices"].items():
+        choice.update(extra[i])
+    view["prompt_token_ids"] = prompt_token_ids
+    view["usage"] = _full_usage(next((ev["usage"] for ev in reversed(events)
+                                      if ev != "[DONE]" and ev.get("usage") and not ev.get("choices")), None))
+    return view
+
+
+def completion_full_view(resp: dict[str, Any]) -> dict[str, Any]:
+    view = completion_view(resp)
+    for c in resp["choices"]:
+        view["choices"][c["index"]].update(stop_reason=c.get("stop_reason"), logprobs=c.get("logprobs"),
+                                           token_ids=c.get("token_ids"))
+    view["usage"] = _full_usage(resp.get("usage"))
+    return view
+
+
+def completion_stream_full_view(events: Iterable[dict[str, Any] | str]) -> dict[str, Any]:
+    events = list(events)
+    view = completion_stream_view(events)
+    extra: dict[int, dict[str, Any]] = defaultdict(lambda: {"stop_reason": None, "logprobs": None, "token_ids": None})
+    for ev in events:
+        if ev == "[DONE]":
+            continue
+        for c in ev.get("choices", []):
+            slot = extra[c["index"]]
+            if c.get("finish_reason"):
+                slot["stop_reason"] = c.get("stop_reason")
+            lp = c.get("logprobs")
+            if lp is not None:
+                old = slot["logprobs"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                slot["logprobs"] = {k: old[k] + (lp.get(k) or []) for k in old}
+            if c.get("token_ids") is not None:
+                slot["token_ids"] = (slot["token_ids"] or []) + c["token_ids"]
+    for i, choice in view["choices"].items():
+        choice.update(extra[i])
+    view["usage"] = _full_usage(view["usage"]) if view["usage"] else None
+    return view

@@ -167,3 +167,24 @@ def test_derender_bodies_are_spliced_not_reserialised(chain: str) -> None:
                       "prompt_token_ids": [1, 2, 3], context_key: json.loads(client)}
     assert json.loads(leg.stream(chunk, {"role_sent": True}))["stream_state"] == {"role_sent": True}
     assert leg.path.endswith("/derender") and leg.path.startswith("/v1/chat" if chain == "chat" else "/v1/completions")
+
+
+def test_rendered_makes_the_default_max_tokens_explicit() -> None:
+    # render leaves max_tokens out when it equals SamplingParams' default (16); a generate server
+    # without it would use the whole context
+    body = gen()
+    del body["sampling_params"]["max_tokens"]
+    fixed = legs.rendered(body)
+    assert fixed["sampling_params"]["max_tokens"] == 16 and "max_tokens" not in body["sampling_params"]
+    assert legs.rendered(gen())["sampling_params"]["max_tokens"] == 256
+
+
+def test_derender_context_has_no_stop_strings() -> None:
+    # The engine applies them and the sidecar cuts; vLLM 0.33's streaming derender rejects them.
+    raw = json.dumps({"model": "m", "messages": [], "stop": ["x"], "include_stop_str_in_output": True}).encode()
+    leg = legs.DerenderLeg("chat", raw, [1, 2])
+    sent = json.loads(leg.stream({"choices": []}, None))
+    assert "stop" not in sent["chat_request"] and sent["chat_request"]["include_stop_str_in_output"] is True
+    plain = b'{"model":"m","messages":[]}'
+    assert legs.without_stop_strings(plain) is plain
+    assert legs.without_stop_strings(b'{"messages":[{"content":"say \\"stop\\""}]}') == b'{"messages":[{"content":"say \\"stop\\""}]}'

@@ -38,7 +38,10 @@ def test_add_usage() -> None:
     ("stop", False, "required", "tool_calls"),
     ("stop", True, {"type": "function", "function": {"name": "f"}}, "stop"),  # named: coupled says stop
     ("stop", False, None, "stop"),
-    ("length", True, None, "length"),
+    ("length", True, None, "tool_calls"),  # a max_tokens cut after a complete call (coupled batch)
+    ("length", False, None, "length"),
+    ("length", False, "required", "length"),
+    ("length", True, {"type": "function", "function": {"name": "f"}}, "length"),
 ])
 def test_chat_finish_reason(finish, calls, tool_choice, expected) -> None:
     assert chat_finish_reason(finish, calls, tool_choice) == expected
@@ -54,7 +57,8 @@ def test_stop_token_is_not_sent_to_derender() -> None:
     gen = {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [1, 2, 99],
                         "logprobs": {"content": [{"t": 1}, {"t": 2}, {"t": 99}]}}]}
     fixed = generate_for_derender(gen)
-    assert fixed["choices"][0]["token_ids"] == [1, 2] and len(fixed["choices"][0]["logprobs"]["content"]) == 2
+    # The stop token's logprob entry stays: coupled reports it (derender resolves entries on their own).
+    assert fixed["choices"][0]["token_ids"] == [1, 2] and len(fixed["choices"][0]["logprobs"]["content"]) == 3
     assert gen["choices"][0]["token_ids"] == [1, 2, 99], "not mutated"
     assert generate_for_derender(gen, include_stop_str_in_output=True) == gen
     stop_string = {"choices": [{"index": 0, "finish_reason": "stop", "stop_reason": "STOP", "token_ids": [1, 2]}]}

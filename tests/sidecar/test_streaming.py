@@ -116,3 +116,39 @@ async def test_a_failing_call_surfaces_in_feed_or_finish() -> None:
     chained.feed(chunk(0, [1]))
     with pytest.raises(RuntimeError, match="derender down"):
         await chained.finish()
+
+
+async def test_hold_sends_each_choice_once_it_finished() -> None:
+    """Stop strings: a lane waits for its choice's end and sends everything as one chunk."""
+    tier = FakeTier()
+    out: list[dict] = []
+
+    async def emit(c: dict) -> None:
+        out.append(c)
+
+    chained = ChainedDerender(tier.call, emit, coalesce=False, hold=True)
+    for t in (1, 2, 3):
+        chained.feed(chunk(0, [t]))
+    chained.feed(chunk(1, [7]))
+    for _ in range(20):  # let the lanes run: they must not call before the end
+        await asyncio.sleep(0)
+    assert tier.calls == []
+    chained.feed(chunk(0, [4], finish="stop"))
+    chained.feed(chunk(1, [8], finish="length"))
+    await chained.finish()
+    assert sorted((c["choices"][0]["token_ids"], s) for c, s in tier.calls) == [([1, 2, 3, 4], None), ([7, 8], None)]
+    assert {ch["index"]: ch["finish"] for c in out for ch in c["choices"]} == {0: "stop", 1: "length"}
+
+
+async def test_hold_sends_what_arrived_when_the_stream_ends_without_a_finish() -> None:
+    tier = FakeTier()
+    out: list[dict] = []
+
+    async def emit(c: dict) -> None:
+        out.append(c)
+
+    chained = ChainedDerender(tier.call, emit, hold=True)
+    chained.feed(chunk(0, [1]))
+    chained.feed(chunk(0, [2]))
+    await chained.finish()
+    assert [c["choices"][0]["token_ids"] for c, _ in tier.calls] == [[1, 2]]

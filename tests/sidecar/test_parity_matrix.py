@@ -1,0 +1,174 @@
+"""The parity matrix (issue 16): every field a chat or completions client can ask for, batch and
+streamed, n 1 and 2, on the inline path (decode with the engine extension) and the chained path
+(decode answering tokens, the derender tier making the answer), compared field by field with the
+coupled server: content, reasoning, tool-call names and parsed arguments, finish_reason,
+stop_reason, logprobs, token ids, prompt token ids and usage (``*_full_view``).
+
+One coupled reference per (case, stream, n) serves both paths, and runs while the sidecar paths
+are driven (``overlap``): the paths share the decode engine, the reference runs on another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.harness.forced import MULTIBYTE, OUTPUTS, Forcer
+from tests.harness.openai_views import (
+    chat_full_view,
+    chat_stream_full_view,
+    completion_full_view,
+    completion_stream_full_view,
+)
+from tests.harness.overlap import in_background
+from disagg_sidecar import wire
+from tests.sidecar.conftest import TOKENS_ONLY
+from tests.sidecar.support import SERVED, recording_proxy, run_sidecar, sidecar_config
+from tests.sidecar.test_parity import (
+    check_chat_shape,
+    check_chat_stream_shape,
+    check_path_taken,
+    path_counters,
+    post_raw,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.parity]
+
+Case = Callable[[Forcer], dict[str, Any]]
+
+
+def _ids(forcer: Forcer, name: str) -> list[int]:
+    return forcer.ids(OUTPUTS[name][0], eos=False)
+
+
+def cut_inside_a_character(forcer: Forcer) -> int:
+    """A ``max_tokens`` that ends the multi-byte output in the middle of a character."""
+    ids = forcer.ids(MULTIBYTE, eos=False)
+    return next(k for k in range(1, len(ids)) if forcer.tokenizer.decode(ids[:k]).endswith("\ufffd"))
+
+
+def _chat(name: str, **extra: Any) -> Case:
+    return lambda f: {**f.chat_body(name), **extra}
+
+
+# name -> the request; several cases check more than one thing with one request.
+CHAT_CASES: dict[str, Case] = {
+    "plain": _chat("plain"),
+    "reasoning": _chat("reasoning"),
+    "one_tool_call": _chat("tool_call"),
+    "several_tool_calls": _chat("two_tool_calls"),
+    "reasoning_tool_call": _chat("reasoning_tool_call"),
+    "multibyte": _chat("multibyte"),
+    "stop_string": _chat("plain", stop=["France"]),
+    # " is" + " Paris": the stop string starts and ends inside tokens; the first of several can miss
+    "stop_straddling": _chat("plain", stop=["zzz", "is Par"]),
+    "stop_straddling_kept": _chat("plain", stop=["is Par"], include_stop_str_in_output=True),
+    "stop_at_the_start": _chat("plain", stop=["The"]),  # nothing kept
+    "stop_at_the_start_of_reasoning": _chat("reasoning", stop=["<think>"]),
+    "stop_after_min_tokens": _chat("plain", stop=["a"], min_tokens=3),  # "capital" has one too, unchecked
+    "stop_in_reasoning_with_logprobs": _chat("reasoning", stop=["briefly"], logprobs=True, top_logprobs=2),
+    "stop_token_ids": lambda f: {**f.chat_body("plain"), "stop_token_ids": [_ids(f, "plain")[4]]},
+    "logprobs_top0_multibyte": _chat("multibyte", logprobs=True, top_logprobs=0),
+    "logprobs_top5_tool_call": _chat("reasoning_tool_call", logprobs=True, top_logprobs=5),
+    "logprobs_top20_token_ids": _chat("reasoning", logprobs=True, top_logprobs=20, return_token_ids=True),
+    "return_token_ids_tool_call": _chat("reasoning_tool_call", return_token_ids=True),
+    "max_tokens_inside_a_character": lambda f: {**f.chat_body("multibyte"), "max_tokens": cut_inside_a_character(f)},
+    # 16 is SamplingParams' default, which render leaves out of its answer
+    "max_tokens_inside_a_tool_call": _chat("tool_call", max_tokens=16),
+    "max_completion_tokens_after_a_tool_call": lambda f: {
+        **f.chat_body("reasoning_tool_call"), "max_completion_tokens": len(_ids(f, "reasoning_tool_call")) - 1},
+    "parallel_tool_calls_false": _chat("tool_call", parallel_tool_calls=False),
+    "include_reasoning_false": _chat("reasoning", include_reasoning=False, logprobs=True, return_token_ids=True),
+    "continuous_usage_stats": _chat("reasoning_tool_call", continuous_usage=True),
+}
+
+
+def chat_request(forcer: Forcer, case: str, stream: bool, n: int) -> dict[str, Any]:
+    body = {**CHAT_CASES[case](forcer), "stream": stream, "n": n}
+    continuous = body.pop("continuous_usage", False)
+    if stream:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous}
+    return body
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+@pytest.mark.parametrize("case", list(CHAT_CASES))
+def test_chat_matrix(engine_set, forcer, inline_sidecar, chained_sidecar, case: str, stream: bool, n: int) -> None:
+    body = chat_request(forcer, case, stream, n)
+    request_id = f"matrix-{case}-{int(stream)}-{n}"
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, request_id))
+    view = chat_stream_full_view if stream else chat_full_view
+    got = {}
+    for path, sidecar in (("inline", inline_sidecar), ("chained", chained_sidecar)):
+        before = path_counters(sidecar)
+        got[path] = post_raw(sidecar.url, "/v1/chat/completions", body, request_id)
+        check_path_taken(before, path_counters(sidecar), path, "derender", stream)
+    want = view(reference.result())
+    for path, answer in got.items():
+        assert view(answer) == want, path
+        if not stream:
+            assert answer["id"] == reference.result()["id"], path  # chatcmpl-<X-Request-Id>
+        if stream:
+            check_chat_stream_shape([e for e in answer if e != "[DONE]"], request_id, n)
+        else:
+            check_chat_shape(answer, request_id, n)
+
+
+def _completion(text: str, **extra: Any) -> Case:
+    return lambda f: {"model": SERVED, "prompt": "Complete this:", "max_tokens": 200, "vllm_xargs": f.xargs(text),
+                      **extra}
+
+
+PLAIN = OUTPUTS["plain"][0]
+COMPLETION_CASES: dict[str, Case] = {
+    "plain": _completion(PLAIN),
+    "multibyte": _completion(MULTIBYTE),
+    "markup_stays_text": _completion(OUTPUTS["reasoning_tool_call"][0]),
+    "stop_straddling": _completion(PLAIN, stop=["zzz", "is Par"]),
+    "stop_straddling_kept": _completion(PLAIN, stop=["is Par"], include_stop_str_in_output=True),
+    "stop_token_ids_and_token_ids": lambda f: {**_completion(PLAIN, return_token_ids=True)(f),
+                                               "stop_token_ids": [_ids(f, "plain")[4]]},
+    "max_tokens_inside_a_character": lambda f: {**_completion(MULTIBYTE)(f), "max_tokens": cut_inside_a_character(f)},
+    "max_tokens_default_value": _completion(MULTIBYTE, max_tokens=16),
+    "continuous_usage_stats": _completion(PLAIN, continuous_usage=True),
+}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+@pytest.mark.parametrize("case", list(COMPLETION_CASES))
+def test_completions_matrix(engine_set, forcer, inline_sidecar, chained_sidecar, case: str, stream: bool,
+                            n: int) -> None:
+    body = {**COMPLETION_CASES[case](forcer), "stream": stream, "n": n}
+    continuous = body.pop("continuous_usage", False)
+    if stream:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous}
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/completions", body, f"matrix-{case}"))
+    view = completion_stream_full_view if stream else completion_full_view
+    got = {path: post_raw(sidecar.url, "/v1/completions", body, f"matrix-{case}")
+           for path, sidecar in (("inline", inline_sidecar), ("chained", chained_sidecar))}
+    want = view(reference.result())
+    for path, answer in got.items():
+        assert view(answer) == want, path
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+def test_derender_tier_never_gets_stop_strings(engine_set, forcer, stream: bool) -> None:
+    """The decode engine applies the stop strings; the cut is the sidecar's (vLLM 0.33's streaming
+    derender rejects ``stop``): no derender call carries them, and the answer is still coupled's."""
+    body = {**forcer.chat_body("plain", stream=stream, n=2), "stop": ["zzz", "is Par"]}
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, "no-stop"))
+    with recording_proxy(engine_set.url("render")) as derender:
+        config = sidecar_config(engine_set, decode={"capabilities": TOKENS_ONLY}, derender={"url": derender.url})
+        with run_sidecar(config) as sidecar:
+            got = post_raw(sidecar.url, "/v1/chat/completions", body, "no-stop")
+    view = chat_stream_full_view if stream else chat_full_view
+    assert view(got) == view(reference.result())
+    contexts = [b.get("chat_request") or b.get("completion_request") for b in derender.bodies(wire.CHAT_DERENDER)
+                + derender.bodies(wire.COMPLETIONS_DERENDER)]
+    assert contexts and all(c is not None and "stop" not in c for c in contexts)
+    # the cut: one plain-text call per batch answer, one per held choice of a stream
+    assert derender.count(wire.COMPLETIONS_DERENDER) == (2 if stream else 1)
