@@ -44,3 +44,27 @@ def stock_sidecar(engine_set, forcer) -> Iterator[RunningSidecar]:
 @pytest.fixture(params=["inline", "chained"])
 def path_sidecar(request) -> RunningSidecar:
     return request.getfixturevalue(f"{request.param}_sidecar")
+
+
+# The same three sidecars in front of each vLLM lane's set (``lane_set``), for the parity tests.
+@pytest.fixture(scope="session")
+def lane_inline_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
+    with run_sidecar(sidecar_config(lane_set)) as sidecar:
+        yield sidecar
+
+
+@pytest.fixture(scope="session")
+def lane_chained_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
+    with run_sidecar(sidecar_config(lane_set, decode={"capabilities": TOKENS_ONLY})) as sidecar:
+        yield sidecar
+
+
+@pytest.fixture(scope="session")
+def lane_stock_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
+    with run_sidecar(sidecar_config(lane_set, decode={"url": lane_set.url("coupled")})) as sidecar:
+        yield sidecar
+
+
+@pytest.fixture(params=["inline", "chained"])
+def lane_path_sidecar(request) -> RunningSidecar:
+    return request.getfixturevalue(f"lane_{request.param}_sidecar")

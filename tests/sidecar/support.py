@@ -28,6 +28,7 @@ import yaml
 from aiohttp import web
 
 from disagg_engine.servers import free_port
+from disagg_operator.engine_args import vllm_features
 from disagg_sidecar.app import build_app
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.server import SidecarRunner
@@ -65,6 +66,16 @@ class RunningSidecar:
         return value or 0.0
 
 
+LANE_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0"}
+
+
+def lane_engine(sset) -> dict[str, Any]:
+    """The ``engine`` section the operator writes for the set's vLLM version (decode with the extension)."""
+    version = LANE_VERSIONS[sset.vllm_lane]
+    return {"vllm_version": version, "extension": True, "prefill_tokens_only": True,
+            "features": vllm_features(version)}
+
+
 def sidecar_config(sset, **overrides: Any) -> dict[str, Any]:
     """The config a decode pod's sidecar gets for the harness's servers (ExampleConnector KV)."""
     config: dict[str, Any] = {
@@ -74,7 +85,7 @@ def sidecar_config(sset, **overrides: Any) -> dict[str, Any]:
         "render": {"url": sset.url("render")},
         "prefill": {"mode": "remote", "discovery": {"kind": "static", "urls": [sset.url("prefill")]}},
         "kv_connector": "ExampleConnector",
-        "engine": {"vllm_version": "0.32.0", "extension": True, "prefill_tokens_only": True},
+        "engine": lane_engine(sset),
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):

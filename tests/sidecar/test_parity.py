@@ -133,24 +133,24 @@ def completion_body(forcer, name: str, stream: bool, n: int, prompt: Any = None)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
-def test_completions_with_two_prompts(engine_set, forcer, path_sidecar, stream: bool) -> None:
+def test_completions_with_two_prompts(lane_set, forcer, lane_path_sidecar, stream: bool) -> None:
     # One render answer per prompt, one prefill and decode leg each; choices indexed prompt * n + i.
     body = completion_body(forcer, "plain", stream, 2, prompt=["First prompt here:", "A second prompt:"])
-    reference = in_background(lambda: sdk_completion(engine_set.url("coupled"), body))
-    got = sdk_completion(path_sidecar.url, body)
+    reference = in_background(lambda: sdk_completion(lane_set.url("coupled"), body))
+    got = sdk_completion(lane_path_sidecar.url, body)
     want = reference.result()
     view = completion_stream_view if stream else completion_view
     assert view(got) == view(want)
     assert sorted(view(got)["choices"]) == [0, 1, 2, 3]
 
 
-def test_completions_logprobs_go_through_the_derender_tier(engine_set, forcer, inline_sidecar) -> None:
+def test_completions_logprobs_go_through_the_derender_tier(lane_set, forcer, lane_inline_sidecar) -> None:
     # Completions logprobs only have their shape on /v1/completions/derender: chained even inline.
     body = {**completion_body(forcer, "plain", False, 1), "logprobs": 2}
-    reference = in_background(lambda: requests.post(engine_set.url("coupled") + "/v1/completions", json=body,
+    reference = in_background(lambda: requests.post(lane_set.url("coupled") + "/v1/completions", json=body,
                                                    timeout=60).json())
-    before = inline_sidecar.metric("disagg_sidecar_derender_calls_total", kind="batch")
-    got = requests.post(inline_sidecar.url + "/v1/completions", json=body, timeout=60).json()
+    before = lane_inline_sidecar.metric("disagg_sidecar_derender_calls_total", kind="batch")
+    got = requests.post(lane_inline_sidecar.url + "/v1/completions", json=body, timeout=60).json()
     want = reference.result()
     assert completion_view(got) == completion_view(want)
     lp, want_lp = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
@@ -160,7 +160,7 @@ def test_completions_logprobs_go_through_the_derender_tier(engine_set, forcer, i
     # endpoint adds the sampled token to k others (vllm-scale-out-protocol.md §3.2; 0.33 fixes it).
     for token, ours, theirs in zip(lp["tokens"], lp["top_logprobs"], want_lp["top_logprobs"]):
         assert token in ours and len(ours) == 2 and ours.items() <= theirs.items()
-    assert inline_sidecar.metric("disagg_sidecar_derender_calls_total", kind="batch") == before + 1
+    assert lane_inline_sidecar.metric("disagg_sidecar_derender_calls_total", kind="batch") == before + 1
 
 
 STOCK_CASES = {
@@ -171,22 +171,22 @@ STOCK_CASES = {
 
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("case", list(STOCK_CASES))
-def test_stock_decode_engine_is_chained(engine_set, forcer, stock_sidecar, case: str, stream: bool) -> None:
+def test_stock_decode_engine_is_chained(lane_set, forcer, lane_stock_sidecar, case: str, stream: bool) -> None:
     """A decode engine without the extension: the sidecar sees no capabilities and chains; every
     field equals coupled (the decode engine is the coupled one: not overlapped)."""
     name, extra = STOCK_CASES[case]
     body = forcer.chat_body(name, stream=stream, n=2, **extra)
-    want = post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, f"stock-{case}")
-    before = stock_sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream" if stream else "batch")
-    got = post_raw(stock_sidecar.url, "/v1/chat/completions", body, f"stock-{case}")
+    want = post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, f"stock-{case}")
+    before = lane_stock_sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream" if stream else "batch")
+    got = post_raw(lane_stock_sidecar.url, "/v1/chat/completions", body, f"stock-{case}")
     view = chat_stream_full_view if stream else chat_full_view
     assert view(got) == view(want)
-    assert stock_sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream" if stream else "batch") > before
-    assert stock_sidecar.metric("disagg_sidecar_decode_output_mode_total", mode="derender") == 0
+    assert lane_stock_sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream" if stream else "batch") > before
+    assert lane_stock_sidecar.metric("disagg_sidecar_decode_output_mode_total", mode="derender") == 0
 
 
-def test_stream_ends_with_done_and_carries_the_headers(engine_set, forcer, path_sidecar) -> None:
-    resp = requests.post(path_sidecar.url + "/v1/chat/completions", json=forcer.chat_body("reasoning", stream=True),
+def test_stream_ends_with_done_and_carries_the_headers(lane_set, forcer, lane_path_sidecar) -> None:
+    resp = requests.post(lane_path_sidecar.url + "/v1/chat/completions", json=forcer.chat_body("reasoning", stream=True),
                          headers={"X-Request-Id": "sse-check"}, stream=True, timeout=60)
     assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
     assert resp.headers["X-Request-Id"] == "sse-check" and resp.headers["x-disagg-prefill"] == "remote"
@@ -196,12 +196,12 @@ def test_stream_ends_with_done_and_carries_the_headers(engine_set, forcer, path_
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
-def test_engine_rejecting_derender_falls_back_to_chaining(engine_set, forcer, stream: bool) -> None:
+def test_engine_rejecting_derender_falls_back_to_chaining(lane_set, forcer, stream: bool) -> None:
     """Configured as extended but not probed: a stock vLLM 0.32 answers output_mode=derender with
     400; the sidecar chains instead, counts it, and the client sees no difference."""
-    config = sidecar_config(engine_set, decode={"url": engine_set.url("coupled"), "probe_capabilities": False})
+    config = sidecar_config(lane_set, decode={"url": lane_set.url("coupled"), "probe_capabilities": False})
     body = forcer.chat_body("reasoning_tool_call", stream=stream)
-    want = sdk_chat(engine_set.url("coupled"), body)  # decode is the coupled engine: not overlapped
+    want = sdk_chat(lane_set.url("coupled"), body)  # decode is the coupled engine: not overlapped
     with run_sidecar(config) as sidecar:
         got = sdk_chat(sidecar.url, body)
         assert sidecar.metric("disagg_sidecar_output_mode_fallbacks_total", requested="derender") == 1

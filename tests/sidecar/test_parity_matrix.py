@@ -96,13 +96,13 @@ def chat_request(forcer: Forcer, case: str, stream: bool, n: int) -> dict[str, A
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("case", list(CHAT_CASES))
-def test_chat_matrix(engine_set, forcer, inline_sidecar, chained_sidecar, case: str, stream: bool, n: int) -> None:
+def test_chat_matrix(lane_set, forcer, lane_inline_sidecar, lane_chained_sidecar, case: str, stream: bool, n: int) -> None:
     body = chat_request(forcer, case, stream, n)
     request_id = f"matrix-{case}-{int(stream)}-{n}"
-    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, request_id))
+    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, request_id))
     view = chat_stream_full_view if stream else chat_full_view
     got = {}
-    for path, sidecar in (("inline", inline_sidecar), ("chained", chained_sidecar)):
+    for path, sidecar in (("inline", lane_inline_sidecar), ("chained", lane_chained_sidecar)):
         before = path_counters(sidecar)
         got[path] = post_raw(sidecar.url, "/v1/chat/completions", body, request_id)
         check_path_taken(before, path_counters(sidecar), path, "derender", stream)
@@ -140,29 +140,29 @@ COMPLETION_CASES: dict[str, Case] = {
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("case", list(COMPLETION_CASES))
-def test_completions_matrix(engine_set, forcer, inline_sidecar, chained_sidecar, case: str, stream: bool,
+def test_completions_matrix(lane_set, forcer, lane_inline_sidecar, lane_chained_sidecar, case: str, stream: bool,
                             n: int) -> None:
     body = {**COMPLETION_CASES[case](forcer), "stream": stream, "n": n}
     continuous = body.pop("continuous_usage", False)
     if stream:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": continuous}
-    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/completions", body, f"matrix-{case}"))
+    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/completions", body, f"matrix-{case}"))
     view = completion_stream_full_view if stream else completion_full_view
     got = {path: post_raw(sidecar.url, "/v1/completions", body, f"matrix-{case}")
-           for path, sidecar in (("inline", inline_sidecar), ("chained", chained_sidecar))}
+           for path, sidecar in (("inline", lane_inline_sidecar), ("chained", lane_chained_sidecar))}
     want = view(reference.result())
     for path, answer in got.items():
         assert view(answer) == want, path
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
-def test_derender_tier_never_gets_stop_strings(engine_set, forcer, stream: bool) -> None:
+def test_derender_tier_never_gets_stop_strings(lane_set, forcer, stream: bool) -> None:
     """The decode engine applies the stop strings; the cut is the sidecar's (vLLM 0.33's streaming
     derender rejects ``stop``): no derender call carries them, and the answer is still coupled's."""
     body = {**forcer.chat_body("plain", stream=stream, n=2), "stop": ["zzz", "is Par"]}
-    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, "no-stop"))
-    with recording_proxy(engine_set.url("render")) as derender:
-        config = sidecar_config(engine_set, decode={"capabilities": TOKENS_ONLY}, derender={"url": derender.url})
+    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, "no-stop"))
+    with recording_proxy(lane_set.url("render")) as derender:
+        config = sidecar_config(lane_set, decode={"capabilities": TOKENS_ONLY}, derender={"url": derender.url})
         with run_sidecar(config) as sidecar:
             got = post_raw(sidecar.url, "/v1/chat/completions", body, "no-stop")
     view = chat_stream_full_view if stream else chat_full_view
