@@ -178,6 +178,9 @@ def vllm_features(version: str) -> dict[str, bool]:
         "generate_output_mode_derender": at_least_0_33,  # /inference/v1/generate output_mode="derender"
         "render_hoists_kv_transfer_params": at_least_0_33,  # else inside sampling_params.extra_args
         "render_parse_context": at_least_0_33,
+        # Batch /derender answers with the coupled endpoint's finish_reason for the same tokens
+        # (0.32's says "stop" where coupled says "tool_calls", and the reverse after a length cut).
+        "derender_finish_reason": at_least_0_33,
     }
 
 

@@ -94,9 +94,11 @@ def text_body(choices: list[Mapping[str, Any]], opts: Options) -> bytes:
                "spaces_between_special_tokens": opts.sampling.get("spaces_between_special_tokens", True)}
     if opts.model:
         request["model"] = opts.model
+    # Reported as a length cut: vLLM 0.33's derender would otherwise drop the stop token and cut at
+    # the stop string itself (without min_tokens); the sidecar cuts (stop_cut).
     gen = {"request_id": "stop-cut", "choices": [
-        {"index": i, "token_ids": c.get("token_ids") or [], "finish_reason": c.get("finish_reason"),
-         "stop_reason": c.get("stop_reason")} for i, c in enumerate(choices)]}
+        {"index": i, "token_ids": c.get("token_ids") or [], "finish_reason": "length", "stop_reason": None}
+        for i, c in enumerate(choices)]}
     return streaming.dumps({**({"model": opts.model} if opts.model else {}), "generate_responses": [gen],
                             "prompt_token_ids": [opts.prompt_token_ids], "completion_request": request})
 
@@ -113,6 +115,17 @@ def trim_top_logprobs(logprobs: Any, k: int) -> Any:
         return logprobs
     return {**logprobs, "content": [{**e, "top_logprobs": (e.get("top_logprobs") or [])[:k]}
                                     for e in logprobs["content"]]}
+
+
+def chat_ready(gen: Mapping[str, Any], opts: Options) -> dict[str, Any]:
+    """A generate answer (or chunk) ready for chat ``/derender``: without the stop token, and each
+    position's candidates cut to the client's ``top_logprobs``. The chat cut keeps the first k
+    (sampled token first), so this changes nothing derender returns; it keeps vLLM 0.33's derender
+    from refusing the k + 1 candidates its generate reports (more than ``max_logprobs``)."""
+    ready = generate_for_derender(gen, opts.keep_stop)
+    ready["choices"] = [{**c, "logprobs": trim_top_logprobs(c["logprobs"], opts.top_logprobs)} if c.get("logprobs") else c
+                        for c in ready.get("choices") or []]
+    return ready
 
 
 def logprob_body(entries: list[Mapping[str, Any]], context_ids: list[int]) -> bytes:
@@ -160,7 +173,7 @@ async def cut_token_ids(choices: list[Mapping[str, Any]], opts: Options, tier: T
 async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Options, shape: responses.Shape,
                      tier: TierCall) -> dict[str, Any]:
     """The client's answer for a batch ``tokens`` answer of the decode engine."""
-    ready = generate_for_derender(out, opts.keep_stop)
+    ready = chat_ready(out, opts)
     cut = [c for c in ready["choices"] if cut_by_stop_string(c)]
     if cut:
         ids = dict(zip((c.get("index", 0) for c in cut), await cut_token_ids(cut, opts, tier, batch=True)))
@@ -211,7 +224,7 @@ class ChatStream:
         self.hold = opts.has_stop
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
-        ready = generate_for_derender(chunk, self.opts.keep_stop)
+        ready = chat_ready(chunk, self.opts)
         choices = ready.get("choices") or []
         gen_choice = (chunk.get("choices") or [{}])[0]
         if choices:
@@ -219,7 +232,9 @@ class ChatStream:
             if self.opts.has_stop and state is None and cut_by_stop_string(sent):
                 sent["token_ids"] = (await cut_token_ids([sent], self.opts, self.tier))[0]
             ready = {**ready, "choices": [sent]}
-        entries = (gen_choice.get("logprobs") or {}).get("content") if self.logprobs else None
+        # Every entry, the stop token's too (coupled streams it), cut like ``chat_ready``.
+        logprobs = trim_top_logprobs(gen_choice.get("logprobs"), self.opts.top_logprobs) if self.logprobs else None
+        entries = (logprobs or {}).get("content")
         context = list((state or {}).get("output_token_ids") or [])[-LOGPROB_CONTEXT:]
         derendered, resolved = await asyncio.gather(
             self.tier("derender", self.leg.path, self.leg.stream(ready, state), "stream"),

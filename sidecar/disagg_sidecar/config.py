@@ -243,6 +243,8 @@ class EngineFeatures(BaseModel):
         False, description="Stock batch output_mode=derender on generate, with render's parse_context (0.33).")
     render_hoists_kv_transfer_params: bool = False
     render_parse_context: bool = False
+    derender_finish_reason: bool = Field(
+        False, description="Batch /derender reports coupled's finish_reason (0.33); else the sidecar derives it.")
 
 
 class Engine(_Model):

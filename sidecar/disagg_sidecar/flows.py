@@ -122,7 +122,7 @@ class Flows:
             prompt_tokens=len(gen[wire.TOKEN_IDS]),
             cached_tokens=prefilled.cached_tokens,
             return_token_ids=bool(body.get("return_token_ids")), tool_choice=body.get("tool_choice"),
-            index_offset=index_offset,
+            derive_finish_reason=not self.config.engine.features.derender_finish_reason, index_offset=index_offset,
         )
 
     def _decode_5xx(self, status: int, raw: bytes) -> SidecarError:

@@ -34,6 +34,7 @@ class Shape:
     cached_tokens: int | None = None
     return_token_ids: bool = False
     tool_choice: Any = None  # the chat request's, for the finish_reason rule
+    derive_finish_reason: bool = True  # the derender tier's finish_reason is not coupled's (vLLM 0.32)
     index_offset: int = 0  # completions with several prompts: prompt i's choices start at i * n
 
     def usage(self, usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -81,13 +82,14 @@ def chat_response(choices: list[dict[str, Any]], usage: Mapping[str, Any] | None
     }
 
 
-def _chat_choice(c: Mapping[str, Any], message: Mapping[str, Any], shape: Shape) -> dict[str, Any]:
+def _chat_choice(c: Mapping[str, Any], message: Mapping[str, Any], shape: Shape, derive: bool) -> dict[str, Any]:
     msg = _message(message)
+    finish = c.get("finish_reason")
     return {
         "index": c.get("index", 0),
         "message": msg,
         "logprobs": c.get("logprobs"),
-        "finish_reason": chat_finish_reason(c.get("finish_reason"), bool(msg.get("tool_calls")), shape.tool_choice),
+        "finish_reason": chat_finish_reason(finish, bool(msg.get("tool_calls")), shape.tool_choice) if derive else finish,
         "stop_reason": c.get("stop_reason"),
         "token_ids": c.get("token_ids") if shape.return_token_ids else None,
     }
@@ -101,7 +103,7 @@ def chat_from_derender(resp: Mapping[str, Any], shape: Shape, generate: Mapping[
     gen_choices = {c.get("index", 0): c for c in generate.get("choices", [])}
     choices = []
     for c in resp.get("choices", []):
-        choice = _chat_choice(c, c["message"], shape)
+        choice = _chat_choice(c, c["message"], shape, shape.derive_finish_reason)
         if shape.return_token_ids and c.get("token_ids") is not None:  # None: hidden (include_reasoning)
             choice["token_ids"] = gen_choices.get(choice["index"], {}).get("token_ids")
         choices.append(choice)
@@ -110,11 +112,12 @@ def chat_from_derender(resp: Mapping[str, Any], shape: Shape, generate: Mapping[
 
 
 def chat_from_generate(resp: Mapping[str, Any], shape: Shape, prompt_token_ids: list[int]) -> dict[str, Any]:
-    """An inline ``derender`` (``message``) or ``text`` generate answer."""
+    """An inline ``derender`` (``message``: vLLM's own chat generator made it, finish_reason
+    included) or ``text`` generate answer."""
     choices = []
     for c in resp.get("choices", []):
         message = c.get("message") or text_message(c.get("text") or "")
-        choices.append(_chat_choice(c, message, shape))
+        choices.append(_chat_choice(c, message, shape, derive=c.get("message") is None and shape.derive_finish_reason))
     return chat_response(choices, resp.get("usage"), shape, prompt_logprobs=resp.get("prompt_logprobs"),
                          prompt_token_ids=prompt_token_ids)
 
