@@ -1,55 +1,29 @@
 """The real kubelet node (scripts/node) beside the kwok nodes: real containers from a locally built
-image behind real probes, kubectl logs/exec, a Service through kube-proxy, and `scripts/cluster
-down` leaving nothing behind on the machine."""
+image behind real probes, kubectl logs/exec, a Service through kube-proxy, and `scripts/node down`
+while the cluster runs. (`scripts/cluster down` with a real node: test_control_plane.py.)"""
 from __future__ import annotations
 
-import glob
 import ipaddress
-import json
-import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 
+from tests.cluster.real_node import node_pids, running, web_pod
 from tests.cluster.test_control_plane import KWOK_NODES, apply, condition, get_json, pinned
 from tests.harness.cluster import (
-    BUSYBOX_IMAGE,
     REAL_NODE_TAINT,
     Cluster,
-    cluster_script,
-    log_tails,
+    ClusterError,
+    RealNodeSession,
+    host_state,
     node_script,
-    on_real_node,
 )
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
 POD_CIDR = ipaddress.ip_network("10.244.0.0/24")  # scripts/node's POD_CIDR
 NODE_IP = "10.244.0.1"
-
-
-def web_pod(name: str, *, healthz: bool = True) -> dict[str, Any]:
-    """busybox httpd as nobody, serving its hostname; ready once /healthz exists (if ``healthz``)."""
-    script = ("mkdir /tmp/www && hostname >/tmp/www/index.html"
-              + (" && echo ok >/tmp/www/healthz" if healthz else "")
-              + ' && echo "serving $(hostname) as uid $(id -u)" && exec httpd -f -p 8080 -h /tmp/www')
-    return {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": name}},
-        "spec": on_real_node({
-            "terminationGracePeriodSeconds": 1,  # httpd as PID 1 ignores SIGTERM
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534},
-            "containers": [{
-                "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                "command": ["sh", "-c", script],
-                "ports": [{"containerPort": 8080, "name": "http"}],
-                "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1},
-                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-            }],
-        }),
-    }
 
 
 def pod(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
@@ -117,91 +91,25 @@ def test_cluster_ip_service_through_kube_proxy(cluster: Cluster, real_node: str,
     assert cluster.wait_for(answer, f"the ClusterIP {ip} to answer", timeout=60) == "svc-web"
 
 
-# --- cluster down leaves nothing behind ------------------------------------------------------
-
-SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward")
-HOST_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/log/pods", "/var/lib/cni",
-              "/run/containerd", "/etc/cni", "/opt/cni", "/opt/containerd")
-
-
-def _iptables() -> list[str]:
-    """Every chain and rule, per table; not the (possibly empty, harmless) tables themselves."""
-    out = []
-    for tool in ("iptables-save", "ip6tables-save"):
-        table = ""
-        for line in subprocess.run([tool], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("*"):
-                table = line[1:]
-            elif line.startswith("-A ") or line.startswith(":") and line.split()[1] == "-":  # user chains
-                out.append(f"{tool} {table} {line.split(' [')[0]}")
-    return sorted(out)
-
-
-def host_state() -> dict[str, Any]:
-    """What scripts/node may change on the machine, read independently of its own records."""
-    links = json.loads(subprocess.run(["ip", "-j", "link"], capture_output=True, text=True, check=True).stdout)
-    return {
-        "links": sorted(link["ifname"] for link in links),
-        "netns": sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else [],
-        "mounts": sorted({line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()}),
-        "iptables": _iptables(),
-        "sysctls": {s: Path("/proc/sys", s).read_text().strip() for s in SYSCTLS},
-        "cgroups": sorted(glob.glob("/sys/fs/cgroup/*/kubepods")),
-        "paths": [p for p in HOST_PATHS if os.path.lexists(p)],
-    }
-
-
-def node_pids(node_dir: Path) -> dict[int, str]:
-    """The node's daemons, containerd's shims and every container process, by pid."""
-    pids = {int(f.read_text().split()[0]): f.name for f in (node_dir / "pids").iterdir()}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(node_dir / "containerd.sock") in cmdline:
-            pids[int(proc.name)] = "shim"
-    for procs in glob.glob("/sys/fs/cgroup/pids/kubepods/**/cgroup.procs", recursive=True):
-        pids.update({int(p): "container" for p in Path(procs).read_text().split()})
-    return pids
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def test_cluster_down_with_a_real_node_leaves_nothing_behind(cluster: Cluster, tmp_path: Path) -> None:
-    # One real node per machine: stop the session's (the real_node fixture starts it again).
-    down = node_script("down", cluster.state_dir, timeout=300)
-    assert down.returncode == 0, down.stderr
-    before = host_state()
-
-    state = tmp_path / "cluster"
-    up = cluster_script("up", state, timeout=600)
-    try:
-        assert up.returncode == 0, f"{up.stderr}\n{log_tails(state)}"
-        up = node_script("up", state, timeout=600)
-        assert up.returncode == 0, up.stderr
-        other = Cluster.from_state_dir(state)
-        ns = other.create_namespace("down")
-        apply(other, web_pod("web"), ns=ns)
-        other.wait_for(lambda: ready(other, ns, "web"), "pod web Ready", timeout=60)
-        during = host_state()
-        pids = node_pids(state / "node")
-    finally:
-        down = cluster_script("down", state, timeout=300)
-    assert down.returncode == 0, down.stderr
-    # The node did change the machine (so the comparison below means something).
-    assert "disagg0" in during["links"] and len(during["links"]) > len(before["links"]) + 1  # + a veth
-    assert any("/netns/cni-" in m for m in during["mounts"]), during["mounts"]
-    assert any(m.startswith(f"{state}/node/kubelet/pods/") for m in during["mounts"])
-    assert during["sysctls"]["vm/overcommit_memory"] == "1" and during["cgroups"]
-    assert any("KUBE-SERVICES" in line for line in during["iptables"])
+def test_node_down_while_the_cluster_runs_removes_its_pods_and_leaves_nothing(
+    cluster: Cluster, real_node: str, real_node_session: RealNodeSession, ns: str
+) -> None:
+    # Last in this module: it stops the session's node (the real_node fixture would start it again).
+    before = real_node_session.before
+    if before is None:  # the node was up before this session: restart it to see the machine without
+        assert node_script("down", cluster.state_dir, timeout=300).returncode == 0
+        before = host_state()
+        assert node_script("up", cluster.state_dir, timeout=600).returncode == 0
+    apply(cluster, web_pod("web"), ns=ns)
+    cluster.wait_for(lambda: ready(cluster, ns, "web"), "pod web Ready", timeout=60)
+    pids = node_pids(cluster.state_dir / "node")
     assert {"shim", "container", "kubelet", "containerd", "kube-proxy"} <= set(pids.values()), pids
 
-    assert not state.exists()
-    assert {pid: what for pid, what in pids.items() if _running(pid)} == {}
+    down = node_script("down", cluster.state_dir, timeout=300)
+    assert down.returncode == 0, down.stderr
+    # Drained through the API: the pod is gone, not left Terminating on a dead node; so is the Node.
+    for kind, name, where in (("pod", "web", ["-n", ns]), ("node", real_node, [])):
+        with pytest.raises(ClusterError, match="NotFound"):
+            cluster.kubectl("get", kind, name, *where)
+    assert {pid: what for pid, what in pids.items() if running(pid)} == {}
     assert host_state() == before

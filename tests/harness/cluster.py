@@ -10,7 +10,9 @@ use only, so tests that do not need it pay nothing; pods reach it through ``on_r
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
+import json
 import os
 import subprocess
 import tempfile
@@ -73,6 +75,41 @@ def on_real_node(pod_spec: dict[str, Any]) -> dict[str, Any]:
         "nodeSelector": {**pod_spec.get("nodeSelector", {}), "kubernetes.io/hostname": REAL_NODE},
         "tolerations": [*pod_spec.get("tolerations", []),
                         {"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+    }
+
+
+# What the real node may change on the machine (scripts/node records and restores the same).
+HOST_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
+                "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes", "net/ipv4/ip_forward",
+                "net/ipv4/conf/all/route_localnet")
+HOST_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/log/pods", "/var/lib/cni", "/run/netns",
+              "/run/containerd", "/etc/cni", "/opt/cni", "/opt/containerd")
+
+
+def _iptables() -> list[str]:
+    """Every chain and rule, per table; not the (possibly empty, harmless) tables themselves."""
+    out = []
+    for tool in ("iptables-save", "ip6tables-save"):
+        table = ""
+        for line in subprocess.run([tool], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif line.startswith("-A ") or line.startswith(":") and line.split()[1] == "-":  # user chains
+                out.append(f"{tool} {table} {line.split(' [')[0]}")
+    return sorted(out)
+
+
+def host_state() -> dict[str, Any]:
+    """What scripts/node may change on the machine, read independently of its own records."""
+    links = json.loads(subprocess.run(["ip", "-j", "link"], capture_output=True, text=True, check=True).stdout)
+    return {
+        "links": sorted(link["ifname"] for link in links),
+        "netns": sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else [],
+        "mounts": sorted({line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()}),
+        "iptables": _iptables(),
+        "sysctls": {s: Path("/proc/sys", s).read_text().strip() for s in HOST_SYSCTLS},
+        "cgroups": sorted(glob.glob("/sys/fs/cgroup/*/kubepods")),
+        "paths": [p for p in HOST_PATHS if os.path.lexists(p)],
     }
 
 
@@ -239,27 +276,34 @@ def cluster() -> Iterator[Cluster]:
             raise ClusterError(error)
 
 
+@dataclass
+class RealNodeSession:
+    started: bool = False               # this process started the node: it stops it at the end
+    before: dict[str, Any] | None = None  # host_state() just before that start
+
+
 @pytest.fixture(scope="session")
-def _real_node_session(cluster: Cluster) -> Iterator[list[bool]]:
-    """Session bookkeeping for ``real_node``: whether this process started the node."""
-    started = [False]
-    yield started
+def real_node_session(cluster: Cluster) -> Iterator[RealNodeSession]:
+    session = RealNodeSession()
+    yield session
     users = cluster.state_dir / "pytest-users"
     others = [p for p in users.glob("*") if p.name.isdigit() and int(p.name) != os.getpid()
               and pid_alive(int(p.name))] if users.is_dir() else []
-    if started[0] and not others and (cluster.state_dir / "node").exists():
+    if session.started and not others and (cluster.state_dir / "node").exists():
         down = node_script("down", cluster.state_dir, timeout=300)
         if down.returncode != 0:
             raise ClusterError(f"scripts/node down failed ({down.returncode}):\n{down.stderr}")
 
 
 @pytest.fixture
-def real_node(cluster: Cluster, _real_node_session: list[bool]) -> str:
+def real_node(cluster: Cluster, real_node_session: RealNodeSession) -> str:
     """The real kubelet node's name, started on first use (and again if a test stopped it)."""
     with _session_lock(cluster.state_dir):
+        before = None if (cluster.state_dir / "node").exists() else host_state()
         up = node_script("up", cluster.state_dir)  # idempotent: a healthy node returns at once
         if up.returncode != 0:
             raise ClusterError(f"scripts/node up failed ({up.returncode})\n{up.stderr}")
         if "already up" not in up.stderr:
-            _real_node_session[0] = True
+            real_node_session.started = True
+            real_node_session.before = before
     return REAL_NODE
