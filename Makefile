@@ -29,13 +29,13 @@ k8s-bins:
 node-deps:
 	@scripts/node-deps
 
-cluster-up: k8s-bins
+cluster-up:  # scripts/cluster builds the control-plane binaries it lacks (not kubelet)
 	@scripts/cluster up
 
 cluster-down:
 	@scripts/cluster down
 
-node-up: cluster-up node-deps
+node-up: cluster-up  # scripts/node installs its packages and builds kubelet/kube-proxy if missing
 	@scripts/node up
 
 node-down:
