@@ -17,7 +17,8 @@ def build(tmp_path: Path, out: str) -> Path:
     src.write_text("#!/bin/sh\necho hi\n")
     src.chmod(0o755)
     subprocess.run([str(REPO / "scripts" / "oci-image"), "--name", "disagg.local/t:1",
-                    "--out", str(tmp_path / out), "--file", f"/bin/hello={src}", "--link", "/bin/hi=hello", "--dir", "/tmp=1777",
+                    "--out", str(tmp_path / out), "--file", f"/bin/hello={src}", "--link", "/bin/hi=hello",
+                    "--dir", "/tmp=1777",
                     "--entrypoint", '["/bin/hello"]', "--user", "65534"], check=True, timeout=60)
     return tmp_path / out
 
