@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help setup engine-setup model k8s-bins cluster-up cluster-down test test-unit demo crds clean
+.PHONY: help setup engine-setup model k8s-bins node-deps cluster-up cluster-down node-up node-down test test-unit demo crds clean
 
 help:
 	@echo "make demo          run a DisaggregatedModel locally and stream one chat answer"
@@ -16,7 +16,9 @@ help:
 	@echo "make test          set up what is missing, run the whole suite"
 	@echo "make setup         venv + project + CPU vLLM (0.32, and the 0.33 lane) + tiny test model (idempotent)"
 	@echo "make cluster-up    start the local Kubernetes control plane (.cluster/kubeconfig)"
-	@echo "make cluster-down  stop it"
+	@echo "make cluster-down  stop it (and the real node, if up)"
+	@echo "make node-up       start the cluster (if needed) and a real kubelet node in it (docs/development.md)"
+	@echo "make node-down     stop the real node, undoing every change it made to the machine"
 
 setup:
 	@scripts/setup
@@ -25,13 +27,22 @@ setup:
 k8s-bins:
 	@scripts/k8s-bins >/dev/null
 
-cluster-up: k8s-bins
+node-deps:
+	@scripts/node-deps
+
+cluster-up:  # scripts/cluster builds the control-plane binaries it lacks (not kubelet)
 	@scripts/cluster up
 
 cluster-down:
 	@scripts/cluster down
 
-test: setup k8s-bins
+node-up: cluster-up  # scripts/node installs its packages and builds kubelet/kube-proxy if missing
+	@scripts/node up
+
+node-down:
+	@scripts/node down
+
+test: setup k8s-bins node-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: setup
@@ -45,5 +56,5 @@ crds: setup
 	$(BIN)/disagg crd > crds/disagg.dev_disaggregatedmodels.yaml
 	cp crds/*.yaml charts/disagg/crds/
 
-clean:
+clean: cluster-down
 	rm -rf $(VENV) .cluster .disagg

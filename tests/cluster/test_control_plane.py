@@ -1,5 +1,6 @@
 """The local control plane behaves like a real cluster: versions, CRDs + CEL, admission policies,
-workloads scheduled onto kwok nodes, garbage collection, Helm, and clean up/down cycles."""
+workloads scheduled onto kwok nodes, garbage collection, Helm, and clean up/down cycles (the second
+with a real node running a pod: the machine is left as it was)."""
 from __future__ import annotations
 
 import json
@@ -14,12 +15,15 @@ from typing import Any
 
 import pytest
 
+from tests.cluster.real_node import node_pids, running, web_pod
 from tests.harness.cluster import (
     K8S_BINS_SCRIPT,
     Cluster,
     ClusterError,
     cluster_script,
+    host_state,
     log_tails,
+    node_script,
     read_env,
 )
 
@@ -289,14 +293,6 @@ def test_helm_install_upgrade_uninstall(cluster: Cluster, ns: str) -> None:
 
 # --- up/down lifecycle -------------------------------------------------------------------------
 
-def _pid_running(pid: int) -> bool:
-    """Alive and not a zombie (a killed child of init may linger as a zombie until reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _bindable(port: int) -> bool:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is fine
@@ -310,6 +306,9 @@ def _bindable(port: int) -> bool:
 def test_up_down_twice_in_a_separate_state_dir_leaves_nothing_behind(cluster: Cluster, tmp_path: Path) -> None:
     state = tmp_path / "cluster"
     session_ports = set(cluster.ports.values())
+    # One real node per machine: stop the session's, if a test started it (real_node restarts it).
+    assert node_script("down", cluster.state_dir, timeout=300).returncode == 0
+    before = host_state()
     for round_ in (1, 2):
         up = cluster_script("up", state, timeout=600)
         assert up.returncode == 0, f"round {round_}: up failed\n{up.stderr}\n{log_tails(state)}"
@@ -327,12 +326,36 @@ def test_up_down_twice_in_a_separate_state_dir_leaves_nothing_behind(cluster: Cl
         assert again.returncode == 0 and "already up" in again.stderr, again.stderr
         assert {p.name: int(p.read_text()) for p in (state / "pids").iterdir()} == pids
 
+        node: dict[int, str] = {}
+        if round_ == 2:  # a real node running a pod: cluster down must undo all it did to the machine
+            try:
+                up = node_script("up", state, timeout=600)
+                assert up.returncode == 0, up.stderr
+                ns = other.create_namespace("down")
+                apply(other, web_pod("web"), ns=ns)
+                other.wait_for(lambda: condition(get_json(other, "pod", "web", "-n", ns), "Ready") == "True",
+                               "pod web Ready", timeout=60)
+                during = host_state()
+                node = node_pids(state / "node")
+            finally:
+                if not node:
+                    cluster_script("down", state, timeout=300)
+            # It did change the machine, so the comparison after down means something.
+            assert "disagg0" in during["links"] and len(during["links"]) > len(before["links"]) + 1  # + a veth
+            assert any("/netns/cni-" in m for m in during["mounts"]), during["mounts"]
+            assert any(m.startswith(f"{state}/node/kubelet/pods/") for m in during["mounts"])
+            assert during["sysctls"]["vm/overcommit_memory"] == "1" and during["cgroups"]
+            assert any("KUBE-SERVICES" in line for line in during["iptables"])
+            assert {"shim", "container", "kubelet", "containerd", "kube-proxy"} <= set(node.values()), node
+
         down = cluster_script("down", state, timeout=120)
         assert down.returncode == 0, down.stderr
         assert not state.exists()
-        assert [n for n, pid in pids.items() if _pid_running(pid)] == []
+        assert [n for n, pid in pids.items() if running(pid)] == []
         assert [p for p in sorted(ports) if not _bindable(p)] == []
         assert cluster_script("status", state, timeout=60).returncode != 0
+        assert {pid: what for pid, what in node.items() if running(pid)} == {}
+        assert host_state() == before
 
     # The session cluster was not disturbed.
     assert cluster.kubectl("get", "--raw", "/readyz").stdout == "ok"

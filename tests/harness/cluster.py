@@ -3,11 +3,16 @@
 The ``cluster`` fixture reuses a healthy cluster in the state dir (``$DISAGG_CLUSTER_DIR`` or
 ``<repo>/.cluster``) or starts one. Only a cluster started by a pytest session is stopped again,
 and only by the last pytest process using it (pytest-xdist workers share one cluster).
+
+The ``real_node`` fixture adds the real kubelet node (``scripts/node``) to that cluster on first
+use only, so tests that do not need it pay nothing; pods reach it through ``on_real_node``.
 """
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
+import json
 import os
 import subprocess
 import tempfile
@@ -26,6 +31,10 @@ from disagg_engine.servers import pid_alive
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "scripts" / "cluster"
 K8S_BINS_SCRIPT = REPO / "scripts" / "k8s-bins"
+NODE_SCRIPT = REPO / "scripts" / "node"
+REAL_NODE = "disagg-node"                 # scripts/node's NODE_NAME
+REAL_NODE_TAINT = "disagg.dev/real-node"  # NoSchedule: only pods that tolerate it land there
+BUSYBOX_IMAGE = "disagg.local/busybox:1"  # built by scripts/node-images, imported by scripts/node up
 # A cold scripts/k8s-bins build (first run on a machine) takes ~30 min on 2 cores.
 UP_TIMEOUT = float(os.environ.get("DISAGG_CLUSTER_UP_TIMEOUT", "3600"))
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -50,6 +59,58 @@ def cluster_script(
         [str(CLUSTER_SCRIPT), action], env=full_env, capture_output=True, text=True,
         stdin=subprocess.DEVNULL, timeout=timeout,
     )
+
+
+def node_script(action: str, state_dir: Path, *, timeout: float = UP_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run ``scripts/node <action>`` against the cluster in ``state_dir`` (no check)."""
+    env = {**os.environ, "DISAGG_CLUSTER_DIR": str(state_dir)}
+    return subprocess.run([str(NODE_SCRIPT), action], env=env, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+def on_real_node(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """``pod_spec`` pinned to the real node: its hostname selector and a toleration of its taint."""
+    return {
+        **pod_spec,
+        "nodeSelector": {**pod_spec.get("nodeSelector", {}), "kubernetes.io/hostname": REAL_NODE},
+        "tolerations": [*pod_spec.get("tolerations", []),
+                        {"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+    }
+
+
+# What the real node may change on the machine (scripts/node records and restores the same).
+HOST_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
+                "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes", "net/ipv4/ip_forward",
+                "net/ipv4/conf/all/route_localnet")
+HOST_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/log/pods", "/var/lib/cni", "/run/netns",
+              "/run/containerd", "/etc/cni", "/opt/cni", "/opt/containerd")
+
+
+def _iptables() -> list[str]:
+    """Every chain and rule, per table; not the (possibly empty, harmless) tables themselves."""
+    out = []
+    for tool in ("iptables-save", "ip6tables-save"):
+        table = ""
+        for line in subprocess.run([tool], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("*"):
+                table = line[1:]
+            elif line.startswith("-A ") or line.startswith(":") and line.split()[1] == "-":  # user chains
+                out.append(f"{tool} {table} {line.split(' [')[0]}")
+    return sorted(out)
+
+
+def host_state() -> dict[str, Any]:
+    """What scripts/node may change on the machine, read independently of its own records."""
+    links = json.loads(subprocess.run(["ip", "-j", "link"], capture_output=True, text=True, check=True).stdout)
+    return {
+        "links": sorted(link["ifname"] for link in links),
+        "netns": sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else [],
+        "mounts": sorted({line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()}),
+        "iptables": _iptables(),
+        "sysctls": {s: Path("/proc/sys", s).read_text().strip() for s in HOST_SYSCTLS},
+        "cgroups": sorted(glob.glob("/sys/fs/cgroup/*/kubepods")),
+        "paths": [p for p in HOST_PATHS if os.path.lexists(p)],
+    }
 
 
 def read_env(state_dir: Path) -> dict[str, str]:
@@ -213,3 +274,36 @@ def cluster() -> Iterator[Cluster]:
             error = _release(state_dir)
         if error:
             raise ClusterError(error)
+
+
+@dataclass
+class RealNodeSession:
+    started: bool = False               # this process started the node: it stops it at the end
+    before: dict[str, Any] | None = None  # host_state() just before that start
+
+
+@pytest.fixture(scope="session")
+def real_node_session(cluster: Cluster) -> Iterator[RealNodeSession]:
+    session = RealNodeSession()
+    yield session
+    users = cluster.state_dir / "pytest-users"
+    others = [p for p in users.glob("*") if p.name.isdigit() and int(p.name) != os.getpid()
+              and pid_alive(int(p.name))] if users.is_dir() else []
+    if session.started and not others and (cluster.state_dir / "node").exists():
+        down = node_script("down", cluster.state_dir, timeout=300)
+        if down.returncode != 0:
+            raise ClusterError(f"scripts/node down failed ({down.returncode}):\n{down.stderr}")
+
+
+@pytest.fixture
+def real_node(cluster: Cluster, real_node_session: RealNodeSession) -> str:
+    """The real kubelet node's name, started on first use (and again if a test stopped it)."""
+    with _session_lock(cluster.state_dir):
+        before = None if (cluster.state_dir / "node").exists() else host_state()
+        up = node_script("up", cluster.state_dir)  # idempotent: a healthy node returns at once
+        if up.returncode != 0:
+            raise ClusterError(f"scripts/node up failed ({up.returncode})\n{up.stderr}")
+        if "already up" not in up.stderr:
+            real_node_session.started = True
+            real_node_session.before = before
+    return REAL_NODE

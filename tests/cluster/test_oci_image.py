@@ -1,0 +1,49 @@
+"""scripts/oci-image writes a valid single-layer OCI archive, byte for byte the same for the same
+inputs (the real node's image cache is keyed by content). Importing and running one is covered by
+test_real_node.py."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+from tests.harness.cluster import REPO
+
+
+def build(tmp_path: Path, out: str) -> Path:
+    src = tmp_path / "hello.sh"
+    src.write_text("#!/bin/sh\necho hi\n")
+    src.chmod(0o755)
+    subprocess.run([str(REPO / "scripts" / "oci-image"), "--name", "disagg.local/t:1",
+                    "--out", str(tmp_path / out), "--file", f"/bin/hello={src}", "--link", "/bin/hi=hello",
+                    "--dir", "/tmp=1777",
+                    "--entrypoint", '["/bin/hello"]', "--user", "65534"], check=True, timeout=60)
+    return tmp_path / out
+
+
+def test_archive_is_a_deterministic_oci_layout(tmp_path: Path) -> None:
+    first, second = build(tmp_path, "a.tar"), build(tmp_path, "b.tar")
+    assert first.read_bytes() == second.read_bytes()
+    with tarfile.open(first) as tar:
+        blobs = {m.name.split("/")[-1]: tar.extractfile(m).read()
+                 for m in tar if m.name.startswith("blobs/sha256/") and m.isfile()}
+        index = json.load(tar.extractfile("index.json"))
+    assert all(hashlib.sha256(data).hexdigest() == digest for digest, data in blobs.items())
+    [entry] = index["manifests"]
+    assert entry["annotations"]["io.containerd.image.name"] == "disagg.local/t:1"
+    manifest = json.loads(blobs[entry["digest"].split(":")[1]])
+    config = json.loads(blobs[manifest["config"]["digest"].split(":")[1]])
+    assert config["config"]["Entrypoint"] == ["/bin/hello"] and config["config"]["User"] == "65534"
+    [layer_ref] = manifest["layers"]
+    layer = blobs[layer_ref["digest"].split(":")[1]]
+    assert config["rootfs"]["diff_ids"] == [layer_ref["digest"]]
+    (tmp_path / "layer.tar").write_bytes(layer)
+    with tarfile.open(tmp_path / "layer.tar") as tar:
+        members = {m.name: m for m in tar}
+    assert list(members) == sorted(members)  # parents before children
+    assert members["bin/hello"].mode == 0o755
+    assert members["bin/hi"].issym() and members["bin/hi"].linkname == "hello"
+    assert members["tmp"].isdir() and members["tmp"].mode == 0o1777
+    assert members["bin"].isdir()
