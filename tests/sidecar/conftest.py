@@ -1,11 +1,13 @@
-"""Sidecars in front of the harness's real vLLM servers, one per decode path (session-scoped).
+"""Sidecars in front of the harness's real vLLM servers, one per decode path (session-scoped);
+``lane_*`` ones once per vLLM lane (``lane_set``), ``inline_sidecar`` on the main set only.
 
-- ``inline_sidecar``: decode with Disagg's engine extension; chat uses ``output_mode=derender``
+- ``inline``: decode with Disagg's engine extension; chat uses ``output_mode=derender``
   (batch and streaming), completions ``text``;
-- ``chained_sidecar``: the same decode engine configured as tokens-only, so every answer goes
+- ``chained``: the same decode engine configured as tokens-only, so every answer goes
   through the derender tier (batch, or per chunk with coalescing);
-- ``stock_sidecar``: decode is the coupled server, a stock vLLM without the extension; the sidecar
-  learns that from ``/disagg/v1/capabilities`` (404) and chains.
+- ``stock``: decode is the coupled server, a stock vLLM without the extension; the sidecar
+  learns that from ``/disagg/v1/capabilities`` (404) and chains (on vLLM 0.33 a batch answer is
+  the stock engine's own derender).
 
 They depend on ``forcer`` so that its tokenizer (a minute of GIL-heavy loading) is loaded before
 an in-process sidecar starts serving.
@@ -28,25 +30,7 @@ def inline_sidecar(engine_set, forcer) -> Iterator[RunningSidecar]:
         yield sidecar
 
 
-@pytest.fixture(scope="session")
-def chained_sidecar(engine_set, forcer) -> Iterator[RunningSidecar]:
-    config = sidecar_config(engine_set, decode={"capabilities": TOKENS_ONLY})
-    with run_sidecar(config) as sidecar:
-        yield sidecar
-
-
-@pytest.fixture(scope="session")
-def stock_sidecar(engine_set, forcer) -> Iterator[RunningSidecar]:
-    with run_sidecar(sidecar_config(engine_set, decode={"url": engine_set.url("coupled")})) as sidecar:
-        yield sidecar
-
-
-@pytest.fixture(params=["inline", "chained"])
-def path_sidecar(request) -> RunningSidecar:
-    return request.getfixturevalue(f"{request.param}_sidecar")
-
-
-# The same three sidecars in front of each vLLM lane's set (``lane_set``), for the parity tests.
+# One sidecar per decode path in front of each vLLM lane's set (``lane_set``): the parity tests.
 @pytest.fixture(scope="session")
 def lane_inline_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
     with run_sidecar(sidecar_config(lane_set)) as sidecar:
