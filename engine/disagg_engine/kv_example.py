@@ -24,11 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
 class ExampleConnector(_VLLMExampleConnector):
     """Same name as vLLM's: the factory looks the class up by ``kv_connector`` in this module."""
 
-    def _role(self) -> str | None:
+    def _transfer_role(self) -> str | None:
         return self._kv_transfer_config.kv_role
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._role() == "kv_producer":
+        if self._transfer_role() == "kv_producer":
             return 0, False
         matched, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if matched is not None and matched <= 0:
@@ -37,6 +37,6 @@ class ExampleConnector(_VLLMExampleConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
-        if self._role() == "kv_consumer":
+        if self._transfer_role() == "kv_consumer":
             meta.requests = [r for r in meta.requests if not r.is_store]
         return meta
