@@ -68,3 +68,38 @@ def test_an_adopted_process_is_watched_by_pid_and_restarted(tmp_path):
     finally:
         if member.proc is not None:
             stop_group(member.proc)
+
+
+def _deployment(tmp_path: Path, *argvs: list[str]):
+    from disagg_cli.local.runner import Deployment
+
+    servers = [start(ServerSpec(f"p-{i}", argv, free_port()), tmp_path / "logs") for i, argv in enumerate(argvs)]
+    deployment = Deployment("t", "http://127.0.0.1:1", str(tmp_path), [
+        {"name": s.spec.name, "pool": "prefill", "url": s.url, "pid": s.pid, "log": str(s.log_path),
+         "argv": s.spec.argv, "env": {}, "port": s.spec.port, "restarts": 0, "failed": False} for s in servers])
+    deployment.save()
+    (tmp_path / "kv").mkdir()
+    return deployment, servers
+
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+CRASH = [sys.executable, "-c", "raise SystemExit('RuntimeError: engine core died')"]
+
+
+def test_down_keeps_the_logs_when_a_process_had_crashed(tmp_path):
+    from disagg_cli.local.runner import STATE_FILE, down
+
+    deployment, servers = _deployment(tmp_path, SLEEP, CRASH)
+    assert _wait(lambda: servers[1].proc.poll() is not None)
+    stopped, logs = down(tmp_path)
+    assert stopped == ["p-0", "p-1"] and logs == tmp_path / "logs"
+    assert not servers[0].alive() and not (tmp_path / STATE_FILE).exists() and not (tmp_path / "kv").exists()
+    assert "RuntimeError: engine core died" in (logs / "p-1.log").read_text()
+
+
+def test_down_of_a_healthy_deployment_removes_everything(tmp_path):
+    from disagg_cli.local.runner import down
+
+    deployment, servers = _deployment(tmp_path / "state", SLEEP)
+    assert down(tmp_path / "state") == (["p-0"], None)
+    assert not (tmp_path / "state").exists() and not servers[0].alive()

@@ -4,10 +4,10 @@ decode killed -> the requests in flight end with a clean OpenAI-shaped error, th
 not ready, and requests succeed again once the supervisor has it back. Both processes come back
 within their restart budget (the supervisor ``disagg up --detach`` leaves running).
 
-It runs on the demo's deployment after every other test that uses it (``final_local_tiny``) and
-before ``disagg down`` (test_local_down.py). When tests/sidecar/test_killed_engines.py ran before,
-its kills of the same prefill and decode are restarts the supervisor already made: the test waits
-for them first. Cost: two rounds of two engine restarts in parallel (~1 min each on 2 cores).
+It runs on the demo's deployment, whose prefill and decode are the shared set's: it takes them as
+``doomed_engines``, so it runs after every other test that needs them, right before
+tests/sidecar/test_killed_engines.py, and hands that module the restarted processes (their new
+pids; same URLs and logs). Cost: one round of two engine restarts side by side (1-3 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def _openai_error(status: int, body: dict) -> bool:
         "Traceback" not in error["message"] and "127.0.0.1" not in error["message"]
 
 
-def test_sigkill_of_prefill_then_decode_under_a_request_stream(final_local_tiny):
-    local = final_local_tiny
+def test_sigkill_of_prefill_then_decode_under_a_request_stream(local_tiny, doomed_engines):
+    local = local_tiny
     assert wait_for(lambda: _all_healthy(local), timeout=RESTART_TIMEOUT), _status(local)
     state = find_state(local.state, None)
     procs = {p["name"]: p for p in Deployment.load(state).processes}
@@ -116,3 +116,6 @@ def test_sigkill_of_prefill_then_decode_under_a_request_stream(final_local_tiny)
     later = [_complete(local.endpoint, 4) for _ in range(3)]
     print(f"after the restarts: {sum(r[0] != 200 for r in later)}/{len(later)} requests failed")
     assert [(status, prefill) for status, prefill, _ in later] == [(200, "remote")] * 3
+    for role in ("prefill", "decode"):  # the shared set's servers are these processes now
+        if doomed_engines[role].url == procs[f"{role}-0"]["url"]:  # (not an attached set's)
+            doomed_engines[role].pid = after[f"{role}-0"]["pid"]

@@ -66,7 +66,10 @@ class Member:
         return pid_alive(self.pid)
 
     def exit_code(self) -> str:
-        return str(self.proc.returncode) if self.proc is not None and self.proc.poll() is not None else "?"
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.returncode
+            return f"killed by signal {-code}" if code < 0 else f"code {code}"
+        return "exit code unknown: adopted"
 
 
 @dataclass
@@ -88,12 +91,12 @@ class Supervisor:
                 tail = "\n    ".join(error_lines(m.log))
                 if delay is None:
                     m.failed = True
-                    self.say(f"disagg: {m.name} exited (code {m.exit_code()}) after {len(m.restarts)} restarts: "
+                    self.say(f"disagg: {m.name} exited ({m.exit_code()}) after {len(m.restarts)} restarts: "
                              f"restart budget spent, it stays down; log: {m.log}\n    {tail}")
                     changed = True
                     continue
                 m.due = now + delay
-                self.say(f"disagg: {m.name} exited (code {m.exit_code()}); restart {len(m.restarts) + 1}/"
+                self.say(f"disagg: {m.name} exited ({m.exit_code()}); restart {len(m.restarts) + 1}/"
                          f"{self.policy.max_restarts} in {delay:.0f} s; log: {m.log}\n    {tail}")
             if m.due is not None and now >= m.due:
                 server = start(m.spec, m.log.parent)
