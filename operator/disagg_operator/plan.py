@@ -32,9 +32,9 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from disagg_operator import engine_args, sidecar_config
-from disagg_sidecar.connectors import REGISTRY as KV_CONNECTORS
 from disagg_operator.engine_args import Launcher
 from disagg_operator.spec import CPUPoolSpec, DisaggregatedModelSpec, GPUPoolSpec, PoolSpec, SpecError
+from disagg_sidecar.connectors import REGISTRY as KV_CONNECTORS
 
 CHAT_TEMPLATE_PATH = "/etc/disagg/chat-template/chat-template.jinja"
 MODEL_MOUNT_ROOT = "/models"  # pvc://CLAIM/PATH is mounted at /models/CLAIM
