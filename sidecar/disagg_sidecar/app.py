@@ -74,9 +74,10 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
         request_id_var.set(None)
 
 
-# The serving check: one prompt token, one output token (two prompt tokens: vLLM's ExampleConnector
-# mis-handles one-token prompts, see disagg_sidecar.connectors.example).
-_SERVING_CHECK = {wire.TOKEN_IDS: [0, 0], wire.SAMPLING_PARAMS: {"max_tokens": 1}}
+# The serving check: a two-token prompt (vLLM's ExampleConnector mis-handles one-token prompts, see
+# disagg_sidecar.connectors.example), one output token, on the engine's OpenAI completions route so
+# that it never counts as one of the sidecar's own generate legs.
+_SERVING_CHECK = {"prompt": [0, 0], "max_tokens": 1}
 
 
 async def _decode_health(up: Upstream) -> tuple[bool, bool]:
@@ -91,11 +92,12 @@ async def _decode_health(up: Upstream) -> tuple[bool, bool]:
         return False, False
 
 
-async def _decode_serves(up: Upstream) -> bool:
-    """The serving check: a real generate request to the decode engine; false only on a 5xx (a
-    timeout or 4xx says nothing about an engine that answers everything with 500)."""
+async def _decode_serves(up: Upstream, model: str | None) -> bool:
+    """The serving check: a real request to the decode engine; false only on a 5xx (a timeout or
+    4xx says nothing about an engine that answers everything with 500)."""
+    body = {**_SERVING_CHECK, **({"model": model} if model else {})}
     try:
-        async with up.session.post(up.decode_url + wire.GENERATE, json=_SERVING_CHECK,
+        async with up.session.post(up.decode_url + wire.COMPLETIONS, json=body,
                                    timeout=aiohttp.ClientTimeout(total=30)) as resp:
             await resp.read()
             return resp.status < 500
@@ -127,7 +129,7 @@ async def _probe(app: web.Application) -> None:
     for tier, ok in (("render", render_ok), ("derender", derender_ok), ("prefill", prefill_ok)):
         state.record_probe(tier, ok)
     if decode_ok and state.needs_serving_check(_decode_answers(app[METRICS])):
-        serving = await _decode_serves(up)
+        serving = await _decode_serves(up, state.model_name())
         if serving != state.decode_serving:
             (log.info if serving else log.warning)(
                 "decode engine %s", "serves again" if serving else "answers 5xx while its /health says 200: not ready")

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.reliability
 GENERATE = "/inference/v1/generate"
 INTERVAL = 0.3
 DEAD = (500, b'{"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError", "code": 500}}')
+SERVING_CHECK = "/v1/completions"
+COMPLETION = (200, b'{"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "x"}]}')
 ANSWER = (200, b'{"request_id": "x", "choices": [{"index": 0, "token_ids": [7], "finish_reason": "length"}]}')
 
 
@@ -46,19 +48,18 @@ def test_decode_answering_5xx_while_healthy_turns_readiness_off_until_it_serves(
         config = fake_config(engine, prefill={"mode": "local"}, render={"mode": "local"},
                              limits={"health_interval_seconds": INTERVAL})
         with run_sidecar(config) as sidecar:
-            engine.answer[GENERATE] = ANSWER
+            engine.answer[GENERATE], engine.answer[SERVING_CHECK] = ANSWER, COMPLETION
             assert _generate(sidecar.url).status_code == 200
             probes = _probes(engine)  # a probe after the success: the 5xx below is all it sees next
             assert wait_for(lambda: _probes(engine) > probes and _health(sidecar.url)[0] == 200, timeout=5)
-            engine.answer[GENERATE] = DEAD
+            engine.answer[GENERATE] = engine.answer[SERVING_CHECK] = DEAD
             resp = _generate(sidecar.url)
             assert resp.status_code == 502 and resp.json()["error"]["type"]  # OpenAI-shaped, no upstream body
             assert "EngineCore" not in resp.text
             took = _within_interval(lambda: _health(sidecar.url) == (503, ["decode failing (5xx)"]))
             print(f"\nreadiness off {took:.2f} s after the first 5xx (interval {INTERVAL} s)")
-            checks = [c for c in engine.calls if c.path == GENERATE]
-            assert len(checks) >= 2  # the client's request and the sidecar's own serving check
-            engine.answer[GENERATE] = ANSWER  # e.g. restarted
+            assert [c for c in engine.calls if c.path == SERVING_CHECK]  # the sidecar's own real request
+            engine.answer[GENERATE], engine.answer[SERVING_CHECK] = ANSWER, COMPLETION  # e.g. restarted
             _within_interval(lambda: _health(sidecar.url)[0] == 200)
 
 
@@ -67,9 +68,9 @@ def test_an_error_among_successes_is_no_outage():
         config = fake_config(engine, prefill={"mode": "local"}, render={"mode": "local"},
                              limits={"health_interval_seconds": INTERVAL})
         with run_sidecar(config) as sidecar:
-            engine.answer[GENERATE] = DEAD
+            engine.answer[GENERATE] = engine.answer[SERVING_CHECK] = DEAD
             assert _generate(sidecar.url).status_code == 502
-            engine.answer[GENERATE] = ANSWER
+            engine.answer[GENERATE], engine.answer[SERVING_CHECK] = ANSWER, COMPLETION
             assert _generate(sidecar.url).status_code == 200
             probes = _probes(engine)
             assert wait_for(lambda: _probes(engine) >= probes + 2, timeout=5)
