@@ -25,6 +25,15 @@ from disagg_cli.local import commands, runner
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-tiny.yaml"
 QUESTION = "What does disaggregated serving split, in one sentence?"
+# Context long enough for the prompt to go to the prefill engine: the sidecar prefills prompts
+# shorter than the KV connector can carry on decode itself (130 tokens with ExampleConnector on CPU).
+SYSTEM = ("You answer questions about Disagg, which deploys vLLM's disaggregated serving on Kubernetes "
+          "from one DisaggregatedModel spec. vLLM can split serving into tiers: render turns a chat "
+          "request into prompt tokens with the chat template on a CPU; prefill computes the prompt's KV "
+          "cache on a GPU; decode receives that KV cache, for example over NIXL or a shared directory, "
+          "and generates the answer token by token; derender turns the generated tokens back into text, "
+          "reasoning and tool calls with the same parsers a coupled server uses. A sidecar in each decode "
+          "pod routes every request through the tiers and answers exactly as a coupled vllm serve would.")
 ANSWER = ("<think>\nThe user wants the tiers.\n</think>\n\n"
           "Render, prefill, decode and derender each run where they are cheapest.")
 
@@ -56,13 +65,15 @@ def chat(endpoint: str, forced: list[int]) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=endpoint + "/v1", api_key="unused")
-    print(f"\nuser: {QUESTION}", flush=True)
+    print(f"\nsystem: ({len(SYSTEM.split())} words of context about Disagg)", flush=True)
+    print(f"user: {QUESTION}", flush=True)
     started = time.perf_counter()
     first = None
     usage = None
     section = None
     stream = client.chat.completions.create(
-        model="tiny-qwen3", messages=[{"role": "user", "content": QUESTION}], max_tokens=128, stream=True,
+        model="tiny-qwen3", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        max_tokens=128, stream=True,
         stream_options={"include_usage": True}, extra_body={"vllm_xargs": {"forced_token_ids": forced}})
     for chunk in stream:
         usage = chunk.usage or usage

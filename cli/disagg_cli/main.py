@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("disagg_cli.local.commands:up_main", "run a DisaggregatedModel as local processes"),
     "down": ("disagg_cli.local.commands:down_main", "stop what `disagg up` started"),
     "status": ("disagg_cli.local.commands:status_main", "show the local deployment"),
+    "supervise": ("disagg_cli.local.commands:supervise_main", "restart crashed processes of a detached `disagg up`"),
 }
 
 

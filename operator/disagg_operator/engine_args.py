@@ -129,9 +129,15 @@ def parser_flags(tool_call_parser: str | None, reasoning_parser: str | None, aut
     return flags
 
 
-def kv_transfer_config(connector: str, extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` object; ``kv_both`` on both pools, the sidecar decides roles."""
-    config: dict[str, Any] = {"kv_connector": connector, "kv_role": "kv_both"}
+def kv_transfer_config(connector: str, extra_config: Mapping[str, Any] | None, kv_role: str,
+                       module_path: str | None = None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` object; ``kv_role`` is the connector's for the pool
+    (``disagg_sidecar.connectors``: ExampleConnector writes on prefill and reads on decode, NIXL
+    is ``kv_both`` and the sidecar's per-request params decide the direction); ``module_path``
+    names the module holding the connector class instead of vLLM's registry."""
+    config: dict[str, Any] = {"kv_connector": connector, "kv_role": kv_role}
+    if module_path:
+        config["kv_connector_module_path"] = module_path
     if extra_config:
         config["kv_connector_extra_config"] = dict(extra_config)
     return config
@@ -139,6 +145,29 @@ def kv_transfer_config(connector: str, extra_config: Mapping[str, Any] | None) -
 
 def kv_transfer_flags(config: Mapping[str, Any]) -> list[str]:
     return ["--kv-transfer-config", canonical_json(config)]
+
+
+# vLLM's --block-size when none is given: 16 on GPUs (CacheConfig.DEFAULT_BLOCK_SIZE), 128 on CPUs
+# (the CPU attention backend's). A pool that requests no GPU resource is taken as CPU: the larger
+# block is the safe side for what depends on it (the shortest prompt a KV connector can carry).
+DEFAULT_BLOCK_SIZE = {"gpu": 16, "cpu": 128}
+
+
+def block_size(args: Sequence[str], gpu: bool) -> int:
+    """The KV block size an engine with these flags runs with (the last ``--block-size`` wins)."""
+    size = DEFAULT_BLOCK_SIZE["gpu" if gpu else "cpu"]
+    for i, arg in enumerate(args):
+        if flag_name(arg) == "--block-size":
+            value = arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            if value.isdigit() and int(value) > 0:
+                size = int(value)
+    return size
+
+
+def requests_gpu(resources: Mapping[str, Any] | None) -> bool:
+    """Whether container resources ask for a GPU (``nvidia.com/gpu``, ``amd.com/gpu``, ...)."""
+    return any(str(key).endswith("/gpu") for part in ("limits", "requests")
+               for key in ((resources or {}).get(part) or {}))
 
 
 def parallel_flags(tensor: int, data: int, expert: bool) -> list[str]:

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from disagg_operator import engine_args, sidecar_config
 from disagg_operator.engine_args import Launcher
 from disagg_operator.spec import CPUPoolSpec, DisaggregatedModelSpec, GPUPoolSpec, PoolSpec, SpecError
+from disagg_sidecar.connectors import REGISTRY as KV_CONNECTORS
 
 CHAT_TEMPLATE_PATH = "/etc/disagg/chat-template/chat-template.jinja"
 MODEL_MOUNT_ROOT = "/models"  # pvc://CLAIM/PATH is mounted at /models/CLAIM
@@ -165,6 +166,7 @@ class Plan:
     pools: tuple[PoolPlan, ...]  # active pools only, in ROLES order
     sidecar: SidecarPlan
     kv_connector: str | None  # None when no KV transfer happens (no prefill pool)
+    min_prompt_tokens: int  # shorter prompts skip the prefill pool (what the connector can carry)
     derender_shared: bool  # the render pool also derenders (Service <name>-derender → render pods)
     config_hash: str
     service_type: str
@@ -193,7 +195,7 @@ class Plan:
         """The sidecar configuration for other endpoints (local mode: ``sidecar_config.static_endpoints``)."""
         return sidecar_config.build(
             self.spec, served_name=self.served_name, endpoints=endpoints, kv_connector=self.kv_connector,
-            prefill_tokens_only=self.render_tier, listen_port=listen_port,
+            prefill_tokens_only=self.render_tier, listen_port=listen_port, min_prompt_tokens=self.min_prompt_tokens,
         )
 
 
@@ -272,14 +274,26 @@ def build_plan(
     shared = engine_args.model_flags(served_name, m.max_model_len)
     tokenize = engine_args.chat_template_flags(template.path if template else None, m.default_chat_template_kwargs)
     parse = engine_args.parser_flags(m.tool_call_parser, m.reasoning_parser, m.enable_auto_tool_choice)
-    kv_flags: list[str] = []
     kv_shared_claim = None
-    if connector is not None:
-        extra = dict(kv.extra_config or {})
-        if connector == engine_args.EXAMPLE:
-            extra.setdefault("shared_storage_path", KV_SHARED_PATH)
-            kv_shared_claim = kv.shared_storage_claim
-        kv_flags = engine_args.kv_transfer_flags(engine_args.kv_transfer_config(connector, extra))
+    kv_extra = dict(kv.extra_config or {})
+    if connector == engine_args.EXAMPLE:
+        kv_extra.setdefault("shared_storage_path", KV_SHARED_PATH)
+        kv_shared_claim = kv.shared_storage_claim
+    kv_profile = KV_CONNECTORS[connector]() if connector in KV_CONNECTORS else None
+
+    def kv_flags(role: Role) -> list[str]:
+        if connector is None:
+            return []
+        kv_role = kv_profile.kv_roles[role] if kv_profile else "kv_both"
+        # The connector's own engine class needs the disagg package, which extension images have.
+        module = kv_profile.engine_module if kv_profile and spec.engine.extension else None
+        return engine_args.kv_transfer_flags(engine_args.kv_transfer_config(connector, kv_extra, kv_role, module))
+
+    # The shortest prompt the connector carries depends on the engines' KV block size.
+    engines = [pools.decode, *([pools.prefill] if disaggregated else [])]
+    block = max(engine_args.block_size([*m.engine_args, *p.extra_args], engine_args.requests_gpu(p.resources))
+                for p in engines)
+    min_prompt_tokens = kv_profile.min_prompt_tokens(block) if kv_profile else 0
 
     def nixl_env(pool: GPUPoolSpec) -> tuple[list[EnvVar], tuple[int, ...]]:
         if not nixl:
@@ -319,7 +333,7 @@ def build_plan(
 
     sidecar_cfg = sidecar_config.build(
         spec, served_name=served_name, kv_connector=connector, prefill_tokens_only=render_tier,
-        endpoints=sidecar_config.cluster_endpoints(
+        min_prompt_tokens=min_prompt_tokens, endpoints=sidecar_config.cluster_endpoints(
             namespace=namespace, engine_port=spec.engine.port,
             render_service=f"{name}-render" if render_tier else None,
             # <name>-derender always selects whichever pool derenders, so switching between a shared
@@ -337,7 +351,8 @@ def build_plan(
         # Without a render tier it renders prompts itself, so it needs the template (never parsers).
         role_args = [engine_args.TOKENS_ONLY] if render_tier else tokenize
         args = [*shared, *role_args, engine_args.ENABLE_SCALE_OUT,
-                *engine_args.parallel_flags(p.parallelism.tensor, p.parallelism.data, p.parallelism.expert), *kv_flags]
+                *engine_args.parallel_flags(p.parallelism.tensor, p.parallelism.data, p.parallelism.expert),
+                *kv_flags(Role.PREFILL)]
         plans.append(pool_plan(Role.PREFILL, p, Launcher.SERVE, args, _merge_env(env, _user_env(p, spec)), ports,
                                uses_template=not render_tier))
 
@@ -347,7 +362,8 @@ def build_plan(
     if spec.engine.extension:
         decode_env = _with_plugin(decode_env, engine_args.ENGINE_PLUGIN_NAME)
     args = [*shared, *tokenize, *parse, engine_args.ENABLE_SCALE_OUT,
-            *engine_args.parallel_flags(d.parallelism.tensor, d.parallelism.data, d.parallelism.expert), *kv_flags]
+            *engine_args.parallel_flags(d.parallelism.tensor, d.parallelism.data, d.parallelism.expert),
+            *kv_flags(Role.DECODE)]
     plans.append(pool_plan(Role.DECODE, d, Launcher.SERVE, args, decode_env, ports, uses_template=True))
 
     def cpu_pool(role: Role, pool: CPUPoolSpec) -> PoolPlan:
@@ -364,7 +380,8 @@ def build_plan(
     sidecar = SidecarPlan(spec.router.image, spec.router.port, spec.router.resources, sidecar_cfg)
     return Plan(
         name=name, namespace=namespace, spec=spec, served_name=served_name, model=model, chat_template=template,
-        pools=tuple(plans), sidecar=sidecar, kv_connector=connector, derender_shared=render_tier and not derender_separate,
+        pools=tuple(plans), sidecar=sidecar, kv_connector=connector, min_prompt_tokens=min_prompt_tokens,
+        derender_shared=render_tier and not derender_separate,
         config_hash=config_hash({p.role: p.config_hash for p in plans}), service_type=spec.router.service.type,
         service_port=spec.router.service.port,
     )

@@ -14,7 +14,7 @@ Shape (version 1)::
             | {mode: remote, discovery: {kind: endpointslices, namespace, service, port_name, port}
                                       | {kind: static, urls: [...]},
                selection: round-robin|random|least-requests, trust_prefiller_header: bool,
-               failure_policy: fallback|fail}
+               failure_policy: fallback|fail, min_prompt_tokens: N}  # N: the connector's
     kv_connector: NixlConnector | ExampleConnector | null
     timeouts: {connect_seconds, render_seconds, prefill_seconds, decode_seconds}
     retries: 1
@@ -87,7 +87,7 @@ def _tier(url: str | None) -> dict[str, Any]:
 
 def build(
     spec: DisaggregatedModelSpec, *, served_name: str, endpoints: Endpoints, kv_connector: str | None,
-    prefill_tokens_only: bool, listen_port: int | None = None,
+    prefill_tokens_only: bool, listen_port: int | None = None, min_prompt_tokens: int = 0,
 ) -> dict[str, Any]:
     router = spec.router
     if endpoints.prefill_discovery is None:
@@ -100,6 +100,8 @@ def build(
             "trust_prefiller_header": router.trust_prefiller_header,
             "failure_policy": router.prefill_failure_policy,
         }
+        if min_prompt_tokens:  # shorter prompts: the KV connector cannot carry them
+            prefill["min_prompt_tokens"] = min_prompt_tokens
     return {
         "version": VERSION,
         "served_model_name": served_name,

@@ -24,8 +24,8 @@ from disagg_sidecar.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.state import SidecarState
-from disagg_sidecar.upstream import Upstream
+from disagg_sidecar.state import DecodeAnswers, SidecarState
+from disagg_sidecar.upstream import PROBE_TIMEOUT, Upstream
 
 log = logging.getLogger("disagg_sidecar")
 access_log = logging.getLogger("disagg_sidecar.access")
@@ -74,6 +74,44 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
         request_id_var.set(None)
 
 
+# The serving check: a two-token prompt (vLLM's ExampleConnector mis-handles one-token prompts, see
+# disagg_sidecar.connectors.example), one output token, on the engine's OpenAI completions route so
+# that it never counts as one of the sidecar's own generate legs.
+_SERVING_CHECK = {"prompt": [0, 0], "max_tokens": 1}
+
+
+async def _decode_health(up: Upstream) -> tuple[bool, bool]:
+    """(healthy, refused): a refused connection means the engine's process is gone."""
+    try:
+        async with up.session.get(up.decode_url + wire.HEALTH, timeout=PROBE_TIMEOUT) as resp:
+            await resp.read()
+            return resp.status == 200, False
+    except aiohttp.ClientConnectorError:
+        return False, True
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False, False
+
+
+async def _decode_serves(up: Upstream, model: str | None) -> bool:
+    """The serving check: a real request to the decode engine; false only on a 5xx (a timeout or
+    4xx says nothing about an engine that answers everything with 500)."""
+    body = {**_SERVING_CHECK, **({"model": model} if model else {})}
+    try:
+        async with up.session.post(up.decode_url + wire.COMPLETIONS, json=body,
+                                   timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            await resp.read()
+            return resp.status < 500
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return True
+
+
+def _decode_answers(metrics: Metrics) -> DecodeAnswers:
+    sample = metrics.registry.get_sample_value
+    errors = sample("disagg_sidecar_leg_errors_total", {"leg": "decode", "kind": "status"}) or 0
+    ok = sum(sample("disagg_sidecar_requests_total", {"api": api, "code": "200"}) or 0 for api in _API_BY_PATH.values())
+    return DecodeAnswers(errors, ok)
+
+
 async def _probe(app: web.Application) -> None:
     """One round of health and capability checks of every upstream."""
     state, up = app[STATE], app[UPSTREAM]
@@ -85,10 +123,17 @@ async def _probe(app: web.Application) -> None:
             pool.mark_ok(url) if ok else pool.mark_failed(url)  # selection avoids failed ones
         return any(results)
 
-    decode_ok, render_ok, derender_ok, prefill_ok = await asyncio.gather(
-        up.healthy(up.decode_url), any_healthy(up.render), any_healthy(up.derender), any_healthy(up.prefill))
-    for tier, ok in (("decode", decode_ok), ("render", render_ok), ("derender", derender_ok), ("prefill", prefill_ok)):
+    (decode_ok, refused), render_ok, derender_ok, prefill_ok = await asyncio.gather(
+        _decode_health(up), any_healthy(up.render), any_healthy(up.derender), any_healthy(up.prefill))
+    state.record_probe("decode", decode_ok, refused=refused)
+    for tier, ok in (("render", render_ok), ("derender", derender_ok), ("prefill", prefill_ok)):
         state.record_probe(tier, ok)
+    if decode_ok and state.needs_serving_check(_decode_answers(app[METRICS])):
+        serving = await _decode_serves(up, state.model_name())
+        if serving != state.decode_serving:
+            (log.info if serving else log.warning)(
+                "decode engine %s", "serves again" if serving else "answers 5xx while its /health says 200: not ready")
+        state.decode_serving = serving
     if decode_ok and state.config.decode.probe_capabilities:
         served = await up.served_capabilities()
         if isinstance(served, dict):

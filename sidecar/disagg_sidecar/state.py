@@ -1,7 +1,10 @@
 """What the sidecar knows about itself and its upstreams between requests (no I/O here).
 
-Readiness (``GET /health``): the local decode engine answers its health check, and every remote
-tier the config names has at least one endpoint that is known and answers; not while draining.
+Readiness (``GET /health``): the local decode engine answers its health check and serves, and
+every remote tier the config names has at least one endpoint that is known and answers; not while
+draining. A decode engine can answer ``/health`` with 200 while every request gets a 5xx (vLLM's
+output handler dead): decode 5xx answers with no success since the last probe make the next probe
+send the engine one real request (``serving_check``), and readiness stays off until one succeeds.
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ UNHEALTHY_AFTER = 2  # consecutive failed probes
 
 
 @dataclass
+class DecodeAnswers:
+    """Counts of decode answers as the metrics saw them: 5xx answers and requests answered 200."""
+
+    errors: float = 0
+    successes: float = 0
+
+    def suspect_since(self, before: DecodeAnswers) -> bool:
+        """New 5xx answers and no success since ``before``: the engine may be failing everything."""
+        return self.errors > before.errors and self.successes == before.successes
+
+
+@dataclass
 class SidecarState:
     config: SidecarConfig
     served_capabilities: dict[str, Any] | str | None = None  # see plan.effective_capabilities
@@ -25,6 +40,8 @@ class SidecarState:
     healthy: dict[str, bool] = field(default_factory=dict)  # tier -> reachable
     _failures: dict[str, int] = field(default_factory=dict)
     draining: bool = False
+    decode_serving: bool = True  # false: its one real request got a 5xx (see module docstring)
+    decode_answers: DecodeAnswers = field(default_factory=DecodeAnswers)  # as of the last probe
     in_flight: int = 0  # requests holding a slot (their body read and checked)
     reading: int = 0  # requests still receiving their body (no slot: memory budget and deadline bound them)
     budget: MemoryBudget = field(init=False)
@@ -34,12 +51,19 @@ class SidecarState:
         self.budget = MemoryBudget(self.config.limits.memory_budget_bytes)
         self._idle.set()
 
-    def record_probe(self, tier: str, ok: bool) -> None:
+    def record_probe(self, tier: str, ok: bool, refused: bool = False) -> None:
         """A tier that was up goes down after two failed probes in a row (one slow answer is no
-        outage); a tier never seen up is down from its first failure."""
+        outage), or at once when nothing listens (``refused``: the process is gone); a tier never
+        seen up is down from its first failure."""
         self._failures[tier] = 0 if ok else self._failures.get(tier, 0) + 1
-        if ok or not self.healthy.get(tier) or self._failures[tier] >= UNHEALTHY_AFTER:
+        if ok or refused or not self.healthy.get(tier) or self._failures[tier] >= UNHEALTHY_AFTER:
             self.healthy[tier] = ok
+
+    def needs_serving_check(self, answers: DecodeAnswers) -> bool:
+        """Whether this probe sends decode a real request (and remembers ``answers`` for the next)."""
+        suspect = answers.suspect_since(self.decode_answers)
+        self.decode_answers = answers
+        return suspect or not self.decode_serving
 
     def capabilities(self) -> Capabilities:
         served = self.served_capabilities if self.config.decode.probe_capabilities else None
@@ -63,6 +87,8 @@ class SidecarState:
     def not_ready(self) -> list[str]:
         """Why the sidecar is not ready (empty: ready)."""
         reasons = [f"{t} unreachable" for t in self.tiers() if not self.healthy.get(t)]
+        if self.healthy.get("decode") and not self.decode_serving:
+            reasons.append("decode failing (5xx)")
         if self.draining:
             reasons.append("draining")
         return reasons

@@ -100,9 +100,10 @@ def test_example_connector_uses_shared_storage_and_no_nixl_env() -> None:
     spec = merged(full_spec(), {"kvTransfer": {"connector": "ExampleConnector", "extraConfig": {},
                                                "sharedStorageClaim": "kv-cache"}})
     plan = plan_of(spec)
-    config = json.loads(flags(argv(plan, Role.DECODE))["--kv-transfer-config"])
-    assert config == {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                      "kv_connector_extra_config": {"shared_storage_path": "/var/lib/disagg/kv", "backends": ["UCX"]}}
+    for role, kv_role in ((Role.PREFILL, "kv_producer"), (Role.DECODE, "kv_consumer")):
+        config = json.loads(flags(argv(plan, role))["--kv-transfer-config"])
+        assert config == {"kv_connector": "ExampleConnector", "kv_role": kv_role, "kv_connector_extra_config": {
+            "shared_storage_path": "/var/lib/disagg/kv", "backends": ["UCX"]}}
     assert plan.pool(Role.PREFILL).kv_shared_claim == plan.pool(Role.DECODE).kv_shared_claim == "kv-cache"
     assert plan.pool(Role.RENDER).kv_shared_claim is None
     assert not plan.pool(Role.PREFILL).side_channel_ports

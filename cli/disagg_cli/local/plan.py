@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from disagg_engine import servers
-from disagg_operator.engine_args import EXAMPLE, Launcher, flag_name
+from disagg_operator.engine_args import Launcher, flag_name
 from disagg_operator.plan import Plan, PoolPlan, Role
 from disagg_operator.sidecar_config import static_endpoints
 from disagg_operator.spec import SpecError
+from disagg_sidecar.connectors import REGISTRY
 
 LOOPBACK = "127.0.0.1"
 MODULES = {
@@ -55,17 +56,23 @@ def model_location(plan: Plan) -> str:
 
 
 def _local_kv(argv: list[str], kv_dir: Path) -> list[str]:
-    """Point ExampleConnector at a local directory; refuse connectors that need GPUs/RDMA."""
+    """Point the connector's shared storage at a local directory and load its engine class (the
+    local engines have the disagg package); refuse connectors that need GPUs/RDMA."""
     out = list(argv)
     for i, arg in enumerate(out[:-1]):
         if arg == "--kv-transfer-config":
             config = json.loads(out[i + 1])
-            if config.get("kv_connector") != EXAMPLE:
+            profile = REGISTRY.get(config.get("kv_connector"))
+            if profile is None or not profile.runs_locally:
+                local = sorted(name for name, c in REGISTRY.items() if c.runs_locally)
                 raise SpecError([f"kvTransfer.connector {config.get('kv_connector')!r} cannot run locally; "
-                                 f"use {EXAMPLE} (shared directory) for local mode"])
+                                 f"use {' or '.join(local)} (shared directory) for local mode"])
             extra = dict(config.get("kv_connector_extra_config") or {})
             extra["shared_storage_path"] = str(kv_dir)
-            out[i + 1] = json.dumps({**config, "kv_connector_extra_config": extra})
+            config = {**config, "kv_connector_extra_config": extra}
+            if profile.engine_module:
+                config["kv_connector_module_path"] = profile.engine_module
+            out[i + 1] = json.dumps(config)
     return out
 
 

@@ -1,13 +1,16 @@
 """Local mode's process half: start the planned processes, record them, stop them by pid.
 
-State lives in ``<state dir>/state.json`` (default ``.disagg/<name>/``): what ``disagg down`` and
-``disagg status`` read. Every process runs in its own session, so stopping one stops its children
-(vLLM's engine core) too.
+State lives in ``<state dir>/state.json`` (default ``.disagg/<name>/``): what ``disagg down``,
+``disagg status`` and the supervisor (supervise.py) read; each process's command is recorded so it
+can be started again on its port. Every process runs in its own session, so stopping one stops its
+children (vLLM's engine core) too. Logs (``<state dir>/logs/``) outlive a failed start and a
+deployment in which a process crashed: the error says where they are and shows their last errors.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import time
@@ -20,14 +23,16 @@ from typing import Any
 import yaml
 
 from disagg_cli.local.plan import LOOPBACK, LocalProcess, engine_processes, sidecar_processes
+from disagg_cli.local.supervise import Member, error_lines
 from disagg_engine.servers import (
-    ManagedServer, ServerSpec, free_port, pid_alive, signal_group, start, stop_all, wait_healthy,
+    ManagedServer, ServerSpec, ServerStartError, free_port, pid_alive, signal_group, start, stop_all, wait_healthy,
 )
 from disagg_operator.plan import build_plan
 from disagg_operator.spec import SpecError, parse_manifest
 
 STATE_FILE = "state.json"
 KV_DIR = "kv"  # ExampleConnector's shared directory, inside the state directory
+LOG_DIR = "logs"
 HEALTH_TIMEOUT = 900.0
 
 
@@ -36,10 +41,29 @@ class Deployment:
     name: str
     endpoint: str
     state_dir: str
-    processes: list[dict[str, Any]]  # name, pool, url, pid, log
+    processes: list[dict[str, Any]]  # name, pool, url, pid, log, argv, env, port, restarts, failed
+    supervisor_pid: int | None = None  # `disagg supervise` of a detached deployment
 
     def save(self) -> None:
-        Path(self.state_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=1))
+        """Atomically: the supervisor rewrites it while `disagg status` or `down` may read it."""
+        tmp = Path(self.state_dir, STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, Path(self.state_dir, STATE_FILE))
+
+    def members(self, servers: list[ManagedServer] | None = None) -> list[Member]:
+        """The processes to supervise: ``servers`` when this process started them, else adopted by pid."""
+        ours = {s.spec.name: s for s in servers or []}
+        return [Member(p["name"], ServerSpec(p["name"], p["argv"], p["port"], env=p["env"], host=LOOPBACK), p["pid"],
+                       Path(p["log"]), ours[p["name"]].proc if p["name"] in ours else None)
+                for p in self.processes]
+
+    def record(self, members: list[Member]) -> None:
+        """New pids, restart counts and spent budgets, as the supervisor sees them."""
+        by_name = {m.name: m for m in members}
+        for p in self.processes:
+            m = by_name[p["name"]]
+            p.update(pid=m.pid, restarts=len(m.restarts), failed=m.failed)
+        self.save()
 
     @classmethod
     def load(cls, state_dir: Path) -> Deployment:
@@ -94,26 +118,55 @@ def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"
         if proc.config is not None:
             (state_dir / f"{proc.name}.yaml").write_text(yaml.safe_dump(dict(proc.config), sort_keys=False))
     progress(f"starting {len(procs)} processes for {manifest.name}: " + ", ".join(p.name for p in procs))
-    servers = [start(ServerSpec(p.name, p.argv, p.port, env=p.env, host=LOOPBACK), state_dir / "logs") for p in procs]
+    servers = [start(ServerSpec(p.name, p.argv, p.port, env=p.env, host=LOOPBACK), state_dir / LOG_DIR)
+               for p in procs]
     endpoint = next(p.url for p in procs if p.pool == "sidecar")
     deployment = Deployment(manifest.name, endpoint, str(state_dir), [
-        {"name": s.spec.name, "pool": p.pool, "url": s.url, "pid": s.pid, "log": str(s.log_path)}
+        {"name": s.spec.name, "pool": p.pool, "url": s.url, "pid": s.pid, "log": str(s.log_path),
+         "argv": list(p.argv), "env": dict(p.env), "port": p.port, "restarts": 0, "failed": False}
         for s, p in zip(servers, procs)
     ])
     deployment.save()
     try:
         wait_healthy(servers, HEALTH_TIMEOUT, progress=progress)
+    except ServerStartError as exc:
+        stop_all(servers)
+        _keep_logs_only(state_dir)
+        dead = next((s for s in servers if s.proc.returncode not in (None, -15, -9)), None)
+        detail = f"{dead.spec.name}'s last errors:\n    " + "\n    ".join(error_lines(dead.log_path)) if dead else ""
+        raise ServerStartError(f"{str(exc).splitlines()[0]}\nlogs kept in {state_dir / LOG_DIR}\n{detail}") from None
     except BaseException:
         stop_all(servers)
-        shutil.rmtree(state_dir, ignore_errors=True)
+        _keep_logs_only(state_dir)
         raise
     return deployment, servers
 
 
-def down(state_dir: Path, grace: float = 15.0) -> list[str]:
-    """Stop every recorded process group (TERM, then KILL after ``grace``); remove the state."""
-    deployment = Deployment.load(state_dir)
-    pids = [p["pid"] for p in deployment.processes]
+def _keep_logs_only(state_dir: Path) -> None:
+    """Remove the state (so `disagg up` can run again) and the KV files; keep the logs."""
+    for path in state_dir.iterdir():
+        if path.name != LOG_DIR:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def down(state_dir: Path, grace: float = 15.0) -> tuple[list[str], Path | None]:
+    """Stop the supervisor, then every recorded process group (TERM, then KILL after ``grace``);
+    remove the state. Returns the names stopped and where logs were kept (when a process had
+    crashed), else None."""
+    supervisor = Deployment.load(state_dir).supervisor_pid
+    if supervisor is not None:
+        _stop_pids([supervisor], grace)
+    deployment = Deployment.load(state_dir)  # after the supervisor's last restart
+    crashed = any(p.get("restarts") or p.get("failed") or not pid_alive(p["pid"]) for p in deployment.processes)
+    _stop_pids([p["pid"] for p in deployment.processes], grace)
+    if crashed:
+        _keep_logs_only(state_dir)
+        return [p["name"] for p in deployment.processes], state_dir / LOG_DIR
+    shutil.rmtree(state_dir, ignore_errors=True)
+    return [p["name"] for p in deployment.processes], None
+
+
+def _stop_pids(pids: list[int], grace: float) -> None:
     for pid in pids:
         signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -124,8 +177,6 @@ def down(state_dir: Path, grace: float = 15.0) -> list[str]:
     deadline = time.monotonic() + 10
     while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    shutil.rmtree(state_dir, ignore_errors=True)
-    return [p["name"] for p in deployment.processes]
 
 
 def status(state_dir: Path) -> dict[str, Any]:
@@ -134,7 +185,8 @@ def status(state_dir: Path) -> dict[str, Any]:
     for p in deployment.processes:
         alive = pid_alive(p["pid"])
         pools.setdefault(p["pool"], []).append(
-            {"name": p["name"], "url": p["url"], "pid": p["pid"], "healthy": alive and _healthy(p["url"])})
+            {"name": p["name"], "url": p["url"], "pid": p["pid"], "healthy": alive and _healthy(p["url"]),
+             "restarts": p.get("restarts", 0)})
     return {"endpoint": deployment.endpoint, "pools": pools}
 
 

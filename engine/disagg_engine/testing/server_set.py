@@ -47,9 +47,11 @@ ENGINE_ENV = {**CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "
 
 def kv_config(shared_dir: Path, role: str) -> str:
     # Producer/consumer rather than kv_both: a decode engine that never writes KV can only report
-    # an external cache hit for a prompt the prefill engine wrote, which is what tests check.
+    # an external cache hit for a prompt the prefill engine wrote, which is what tests check. The
+    # connector class is Disagg's (disagg_engine.kv_example): vLLM's ignores the role.
     return json.dumps({
         "kv_connector": "ExampleConnector",
+        "kv_connector_module_path": "disagg_engine.kv_example",
         "kv_role": role,
         "kv_connector_extra_config": {"shared_storage_path": str(shared_dir)},
     })
