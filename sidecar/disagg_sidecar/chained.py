@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from disagg_sidecar import legs, responses, streaming, wire
-from disagg_sidecar.derender_fixes import generate_for_derender
+from disagg_sidecar.derender_fixes import completion_candidates, generate_for_derender, trim_top_logprobs
 
 # (tier, path, body, metrics kind) -> the tier's JSON answer; raises the sidecar's errors.
 TierCall = Callable[[str, str, bytes, str], Awaitable[Any]]
@@ -49,14 +49,17 @@ class Options:
     hide_metadata: bool = False  # include_reasoning false: coupled shows no logprobs
     parallel_tool_calls: bool = True
     return_token_ids: bool = False
+    completion_logprobs: int | None = None  # a completions client's `logprobs` (k)
 
     @classmethod
     def of(cls, body: Mapping[str, Any], gen: Mapping[str, Any]) -> Options:
+        logprobs = body.get("logprobs")
         return cls(model=body.get("model"), prompt_token_ids=list(gen[wire.TOKEN_IDS]),
                    sampling=gen.get(wire.SAMPLING_PARAMS) or {}, top_logprobs=int(body.get("top_logprobs") or 0),
                    hide_metadata=body.get("include_reasoning") is False,
                    parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-                   return_token_ids=bool(body.get("return_token_ids")))
+                   return_token_ids=bool(body.get("return_token_ids")),
+                   completion_logprobs=logprobs if type(logprobs) is int else None)
 
     @property
     def has_stop(self) -> bool:
@@ -107,14 +110,6 @@ def tokenize_body(texts: list[str], opts: Options) -> bytes:
     """``/v1/completions/render`` used as vLLM's tokenizer (no special tokens added)."""
     return streaming.dumps({**({"model": opts.model} if opts.model else {}), "prompt": texts,
                             "add_special_tokens": False, "max_tokens": 1})
-
-
-def trim_top_logprobs(logprobs: Any, k: int) -> Any:
-    """Chat logprobs with ``top_logprobs`` cut to the client's ``k`` (coupled: the first k)."""
-    if not isinstance(logprobs, Mapping) or not logprobs.get("content"):
-        return logprobs
-    return {**logprobs, "content": [{**e, "top_logprobs": (e.get("top_logprobs") or [])[:k]}
-                                    for e in logprobs["content"]]}
 
 
 def chat_ready(gen: Mapping[str, Any], opts: Options) -> dict[str, Any]:
@@ -194,7 +189,7 @@ async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Option
 async def completion_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Options, tier: TierCall) -> Any:
     """A ``/v1/completions/derender`` answer for the engine's tokens, with the engine's token ids,
     usage (derender counts the ids it decoded) and stop-string cut."""
-    ready = generate_for_derender(out, opts.keep_stop)
+    ready = generate_for_derender(completion_candidates(out, opts.completion_logprobs), opts.keep_stop)
     resp = await tier("derender", leg.path, leg.batch(streaming.dumps(ready)), "batch")
     gen_choices = out.get("choices") or []
     cut = [c for c in gen_choices if cut_by_stop_string(c)]
@@ -266,7 +261,7 @@ class CompletionStream:
         self.hold = opts.has_stop
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
-        ready = generate_for_derender(chunk, self.opts.keep_stop)
+        ready = generate_for_derender(completion_candidates(chunk, self.opts.completion_logprobs), self.opts.keep_stop)
         data = await self.tier("derender", self.leg.path, self.leg.stream(ready, state), "stream")
         out = data["chunk"]
         gen_choice = (chunk.get("choices") or [{}])[0]

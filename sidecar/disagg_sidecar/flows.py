@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg_sidecar import chained, legs, plan, responses, streaming, wire
+from disagg_sidecar import chained, derender_fixes, legs, plan, responses, streaming, wire
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.connectors import KVConnector
 from disagg_sidecar.errors import SidecarError, error_body
@@ -201,7 +201,8 @@ class Flows:
                           ctx: Context) -> web.StreamResponse:
         created = int(time.time())
         decode_plan = plan.decode_plan("completions", body, self.capabilities())
-        gens = [legs.rendered(g) for g in await self.render(wire.COMPLETIONS_RENDER, raw, ctx)]
+        gens = [derender_fixes.with_candidate_headroom(legs.rendered(g))
+                for g in await self.render(wire.COMPLETIONS_RENDER, raw, ctx)]
         n = int(body.get("n") or 1)
         response_id = f"cmpl-{ctx.request_id}"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from disagg_sidecar import chained, legs, responses, wire
+from disagg_sidecar import chained, derender_fixes, legs, responses, wire
 
 PROMPT = [1, 2, 3]
 
@@ -46,9 +46,9 @@ def test_only_a_stop_string_cuts_text() -> None:
 
 def test_trim_top_logprobs_keeps_the_first_k() -> None:
     entry = {"token": "a", "logprob": -1.0, "top_logprobs": [{"token": "a"}, {"token": "b"}]}
-    assert chained.trim_top_logprobs({"content": [entry]}, 0)["content"][0]["top_logprobs"] == []
-    assert chained.trim_top_logprobs({"content": [entry]}, 1)["content"][0]["top_logprobs"] == [{"token": "a"}]
-    assert chained.trim_top_logprobs(None, 3) is None
+    assert derender_fixes.trim_top_logprobs({"content": [entry]}, 0)["content"][0]["top_logprobs"] == []
+    assert derender_fixes.trim_top_logprobs({"content": [entry]}, 1)["content"][0]["top_logprobs"] == [{"token": "a"}]
+    assert derender_fixes.trim_top_logprobs(None, 3) is None
 
 
 def test_stream_finish_reason_only_turns_stop_into_tool_calls() -> None:
@@ -190,3 +190,27 @@ async def test_nothing_kept_is_derendered_from_one_byte_that_decodes_to_nothing(
     assert tier.calls[1][2]["prompt"] == [chained.EMPTY_PROBE]
     probe_ids = [ord(ch) - 96 for ch in chained.EMPTY_PROBE]
     assert tier.calls[2][2]["generate_response"]["choices"][0]["token_ids"] == probe_ids[:1]
+
+
+def _gen_with_candidates(ranks: list[int | None], candidates: int) -> dict:
+    content = [{"token_id": 100 + i, "logprob": -1.0, "rank": r,
+                "top_logprobs": [{"token_id": 100 + i, "logprob": -1.0, "rank": r}]
+                + [{"token_id": j, "logprob": -2.0 - j, "rank": j} for j in range(1, candidates)]}
+               for i, r in enumerate(ranks)]
+    return {"choices": [{"index": 0, "token_ids": [100 + i for i in range(len(ranks))], "logprobs": {"content": content}}]}
+
+
+def test_completion_candidates_are_the_sampled_token_and_the_top_k() -> None:
+    # k = 2: a sampled token ranked 7 (or unranked) shows with the top 2; one ranked 1 or 2 is among them.
+    gen = _gen_with_candidates([7, 1, 2, 3, None], candidates=4)
+    cut = derender_fixes.completion_candidates(gen, 2)
+    assert [len(e["top_logprobs"]) for e in cut["choices"][0]["logprobs"]["content"]] == [3, 2, 2, 3, 3]
+    assert derender_fixes.completion_candidates(gen, None) == gen
+    assert [len(e["top_logprobs"]) for e in derender_fixes.completion_candidates(gen, 0)["choices"][0]["logprobs"]["content"]] == [1] * 5
+
+
+def test_completions_ask_the_engine_for_one_candidate_more() -> None:
+    gen = {"token_ids": [1], "sampling_params": {"logprobs": 2, "max_tokens": 5}}
+    assert derender_fixes.with_candidate_headroom(gen)["sampling_params"] == {"logprobs": 3, "max_tokens": 5}
+    assert derender_fixes.with_candidate_headroom({**gen, "sampling_params": {"logprobs": 20}})["sampling_params"]["logprobs"] == 20
+    assert "logprobs" not in derender_fixes.with_candidate_headroom({"sampling_params": {"max_tokens": 5}})["sampling_params"]

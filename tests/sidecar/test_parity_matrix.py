@@ -134,6 +134,9 @@ COMPLETION_CASES: dict[str, Case] = {
     "max_tokens_inside_a_character": lambda f: {**_completion(MULTIBYTE)(f), "max_tokens": cut_inside_a_character(f)},
     "max_tokens_default_value": _completion(MULTIBYTE, max_tokens=16),
     "continuous_usage_stats": _completion(PLAIN, continuous_usage=True),
+    # The sampled token and the top k per position (k + 1 candidates, or k when it is among them).
+    "logprobs_0": _completion(MULTIBYTE, logprobs=0),
+    "logprobs_5_token_ids": _completion(OUTPUTS["reasoning_tool_call"][0], logprobs=5, return_token_ids=True),
 }
 
 
