@@ -17,11 +17,11 @@ from typing import Any
 from disagg_engine import shapes
 from disagg_engine.protocol import DisaggGenerateRequest
 from disagg_engine.vllm_compat import (
+    NATIVE_DERENDER,
     ChatCompletionResponse,
     ErrorResponse,
     OpenAIServingChat,
     ServingTokens,
-    NATIVE_DERENDER,
     chat_parser_configured,
     chat_with_history,
     effective_chat_template_kwargs,
