@@ -1,5 +1,6 @@
 """Sidecars in front of the harness's real vLLM servers, one per decode path (session-scoped);
-``lane_*`` ones once per vLLM lane (``lane_set``), ``inline_sidecar`` on the main set only.
+``lane_*`` ones once per vLLM lane (``lane_set``), ``inline_sidecar`` and ``chained_sidecar`` on
+the main set only.
 
 - ``inline``: decode with Disagg's engine extension; chat uses ``output_mode=derender``
   (batch and streaming), completions ``text``;
@@ -24,9 +25,20 @@ from tests.sidecar.support import RunningSidecar, run_sidecar, sidecar_config
 TOKENS_ONLY = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
 
 
+def chained_config(sset) -> dict:
+    """Decode configured as tokens-only: every answer is made by the derender tier."""
+    return sidecar_config(sset, decode={"capabilities": TOKENS_ONLY})
+
+
 @pytest.fixture(scope="session")
 def inline_sidecar(engine_set, forcer) -> Iterator[RunningSidecar]:
     with run_sidecar(sidecar_config(engine_set)) as sidecar:
+        yield sidecar
+
+
+@pytest.fixture(scope="session")
+def chained_sidecar(engine_set, forcer) -> Iterator[RunningSidecar]:
+    with run_sidecar(chained_config(engine_set)) as sidecar:
         yield sidecar
 
 
@@ -39,7 +51,7 @@ def lane_inline_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
 
 @pytest.fixture(scope="session")
 def lane_chained_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
-    with run_sidecar(sidecar_config(lane_set, decode={"capabilities": TOKENS_ONLY})) as sidecar:
+    with run_sidecar(chained_config(lane_set)) as sidecar:
         yield sidecar
 
 
