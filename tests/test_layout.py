@@ -27,6 +27,14 @@ def test_light_packages_do_not_import_vllm_or_torch(package):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_import_contracts_are_kept():
+    """The layering contracts of pyproject.toml's [tool.importlinter], checked by import-linter:
+    light packages stay light, the sidecar stands alone, its decisions do no I/O."""
+    code = "import sys; from importlinter.cli import lint_imports_command; sys.argv = ['lint-imports']; lint_imports_command()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0 and " 0 broken" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+
+
 def test_top_level_folders_are_not_packages():
     # A package named `operator` would shadow the stdlib module.
     for folder in ("operator", "sidecar", "engine", "cli"):
