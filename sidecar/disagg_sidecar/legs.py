@@ -98,25 +98,38 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def without_stop_strings(client_body: bytes) -> bytes:
-    """The client's request as derender's parser context: without ``stop``.
+_MESSAGE_SKELETON = ("role", "name", "tool_calls", "tool_call_id")
 
-    The decode engine applies the stop strings and the sidecar cuts the text where it matched
-    (``chained``); derender never needs them, and vLLM 0.33's streaming derender rejects a
-    request that has them."""
-    if b'"stop"' not in client_body:
-        return client_body
+
+def parser_context(client_body: bytes, chain: str) -> bytes:
+    """The client's request as derender's parser context, without what derender never reads, so
+    a long prompt does not travel with each of a stream's derender calls:
+
+    - ``stop``: the decode engine applies the stop strings and the sidecar cuts the text where
+      they matched (``chained``); vLLM 0.33's streaming derender rejects a request that has them;
+    - the conversation's text: the parser reads tools, tool choice, reasoning and template
+      settings, and of the messages only their roles and earlier tool calls (for tool-call ids),
+      so each message keeps those with empty content (all of it with ``echo`` or
+      ``continue_final_message``, where the answer repeats the last message);
+    - a completions prompt, unless ``echo`` puts it into the answer.
+    """
     body = json.loads(client_body)
-    if not isinstance(body, dict) or "stop" not in body:
+    if not isinstance(body, dict):
         return client_body
-    body.pop("stop")
+    body.pop("stop", None)
+    keep_text = body.get("echo") or body.get("continue_final_message")
+    if chain == "chat" and isinstance(body.get("messages"), list) and not keep_text:
+        body["messages"] = [{**{k: m[k] for k in _MESSAGE_SKELETON if k in m}, "content": ""}
+                            if isinstance(m, dict) else m for m in body["messages"]]
+    elif chain == "completions" and not keep_text and "prompt" in body:
+        body["prompt"] = "-"
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class DerenderLeg:
     """Derender-tier bodies for one request, built by splicing bytes.
 
-    The parser context (the client's request, verbatim) and the prompt ids go into every
+    The parser context (the client's request without its text: ``parser_context``) and the prompt ids go into every
     streaming call; they are serialised once here, and the generate answers and chunks are
     spliced in as the bytes they arrived as where possible.
     """
@@ -124,7 +137,7 @@ class DerenderLeg:
     def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None):
         self.chain = chain
         self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
-        client_body = without_stop_strings(client_body)
+        client_body = parser_context(client_body, chain)
         n = len(prompt_token_ids)
         ids = _json(prompt_token_ids)
         model_part = b'"model":' + _json(model) + b"," if model else b""

@@ -151,10 +151,11 @@ def test_derender_bodies_are_spliced_not_reserialised(chain: str) -> None:
     leg = legs.DerenderLeg(chain, client, [1, 2, 3])
     generate_response = b'{"request_id": "g", "choices": [{"index": 0, "token_ids": [9]}]}'
     batch = leg.batch(generate_response)
-    assert client in batch and generate_response in batch  # verbatim bytes
+    assert generate_response in batch  # verbatim bytes
     parsed = json.loads(batch)
     context_key = "chat_request" if chain == "chat" else "completion_request"
-    assert parsed[context_key] == json.loads(client)
+    context = json.loads(legs.parser_context(client, chain))
+    assert parsed[context_key] == context
     if chain == "chat":
         assert parsed["generate_response"] == json.loads(generate_response)
         assert parsed["prompt_tokens"] == 3 and parsed["prompt_token_ids"] == [1, 2, 3]
@@ -164,7 +165,7 @@ def test_derender_bodies_are_spliced_not_reserialised(chain: str) -> None:
     chunk = {"request_id": "g", "choices": [{"index": 0, "token_ids": [9]}]}
     stream = json.loads(leg.stream(chunk, None))
     assert stream == {"stream": True, "generate_chunk": chunk, "stream_state": None, "prompt_tokens": 3,
-                      "prompt_token_ids": [1, 2, 3], context_key: json.loads(client)}
+                      "prompt_token_ids": [1, 2, 3], context_key: context}
     assert json.loads(leg.stream(chunk, {"role_sent": True}))["stream_state"] == {"role_sent": True}
     assert leg.path.endswith("/derender") and leg.path.startswith("/v1/chat" if chain == "chat" else "/v1/completions")
 
@@ -179,12 +180,28 @@ def test_rendered_makes_the_default_max_tokens_explicit() -> None:
     assert legs.rendered(gen())["sampling_params"]["max_tokens"] == 256
 
 
-def test_derender_context_has_no_stop_strings() -> None:
-    # The engine applies them and the sidecar cuts; vLLM 0.33's streaming derender rejects them.
-    raw = json.dumps({"model": "m", "messages": [], "stop": ["x"], "include_stop_str_in_output": True}).encode()
-    leg = legs.DerenderLeg("chat", raw, [1, 2])
-    sent = json.loads(leg.stream({"choices": []}, None))
-    assert "stop" not in sent["chat_request"] and sent["chat_request"]["include_stop_str_in_output"] is True
-    plain = b'{"model":"m","messages":[]}'
-    assert legs.without_stop_strings(plain) is plain
-    assert legs.without_stop_strings(b'{"messages":[{"content":"say \\"stop\\""}]}') == b'{"messages":[{"content":"say \\"stop\\""}]}'
+def test_derender_context_leaves_out_what_derender_never_reads() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "system", "content": "long system text " * 100},
+                {"role": "user", "content": [{"type": "text", "text": "a question"}], "name": "u"},
+                {"role": "assistant", "content": None, "tool_calls": [call], "reasoning": "why"},
+                {"role": "tool", "content": "tool output", "tool_call_id": "c1"}]
+    raw = json.dumps({"model": "m", "messages": messages, "tools": tools, "stop": ["x"],
+                      "include_stop_str_in_output": True, "include_reasoning": False}).encode()
+    sent = json.loads(legs.DerenderLeg("chat", raw, [1, 2]).stream({"choices": []}, None))["chat_request"]
+    # stop strings: the engine applies them, the sidecar cuts (vLLM 0.33's streaming derender rejects them)
+    assert "stop" not in sent and sent["include_stop_str_in_output"] is True
+    # the parser's inputs stay; the conversation's text does not travel with every call
+    assert sent["tools"] == tools and sent["include_reasoning"] is False and sent["model"] == "m"
+    assert sent["messages"] == [{"role": "system", "content": ""}, {"role": "user", "name": "u", "content": ""},
+                                {"role": "assistant", "tool_calls": [call], "content": ""},
+                                {"role": "tool", "tool_call_id": "c1", "content": ""}]
+    assert b"question" not in legs.parser_context(raw, "chat") and b"long system" not in legs.parser_context(raw, "chat")
+    # echo repeats the last message: the text stays
+    echo = json.loads(legs.parser_context(json.dumps({"messages": messages, "echo": True}).encode(), "chat"))
+    assert echo["messages"] == messages
+    completion = json.dumps({"model": "m", "prompt": "a long prompt", "logprobs": 2}).encode()
+    assert json.loads(legs.parser_context(completion, "completions")) == {"model": "m", "prompt": "-", "logprobs": 2}
+    echoed = json.dumps({"prompt": "a long prompt", "echo": True}).encode()
+    assert json.loads(legs.parser_context(echoed, "completions"))["prompt"] == "a long prompt"

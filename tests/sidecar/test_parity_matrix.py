@@ -10,6 +10,7 @@ are driven (``overlap``): the paths share the decode engine, the reference runs 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -161,7 +162,8 @@ def test_completions_matrix(lane_set, forcer, lane_inline_sidecar, lane_chained_
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 def test_derender_tier_never_gets_stop_strings(lane_set, forcer, stream: bool) -> None:
     """The decode engine applies the stop strings; the cut is the sidecar's (vLLM 0.33's streaming
-    derender rejects ``stop``): no derender call carries them, and the answer is still coupled's."""
+    derender rejects ``stop``): no derender call carries them, nor the prompt's text, and the
+    answer is still coupled's."""
     body = {**forcer.chat_body("plain", stream=stream, n=2), "stop": ["zzz", "is Par"]}
     reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, "no-stop"))
     with recording_proxy(lane_set.url("render")) as derender:
@@ -173,5 +175,8 @@ def test_derender_tier_never_gets_stop_strings(lane_set, forcer, stream: bool) -
     contexts = [b.get("chat_request") or b.get("completion_request") for b in derender.bodies(wire.CHAT_DERENDER)
                 + derender.bodies(wire.COMPLETIONS_DERENDER)]
     assert contexts and all(c is not None and "stop" not in c for c in contexts)
+    # nor the conversation's text: the parser never reads it (legs.parser_context)
+    question = body["messages"][-1]["content"]
+    assert all(question not in json.dumps(c) for c in contexts)
     # the cut: one plain-text call per batch answer, one per held choice of a stream
     assert derender.count(wire.COMPLETIONS_DERENDER) == (2 if stream else 1)
