@@ -157,7 +157,7 @@ class _EarlyStarts:
 
     def stop(self, name: str) -> None:
         future = self._futures.get(name)
-        if future is not None and future.done() and future.exception() is None:
+        if future is not None and future.done() and not future.cancelled() and future.exception() is None:
             future.result().stop()  # idempotent
 
     def stop_all(self) -> None:

@@ -13,7 +13,6 @@ from disagg_sidecar.config import Limits
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.exchange import leg_failure, streamed_error
 from disagg_sidecar.upstream import LegError
-from tests.sidecar.test_layers import TRANSPORT, imports
 
 
 def _refused(raw: bytes, depth: int = 64) -> SidecarError:
@@ -26,11 +25,6 @@ def _refused(raw: bytes, depth: int = 64) -> SidecarError:
 def _accepted(raw: bytes, depth: int = 64):
     bodycheck.check(raw, depth)
     return bodycheck.loads(raw, depth)
-
-
-@pytest.mark.parametrize("module", ["bodycheck", "requestlimits", "budget"])
-def test_checks_are_pure(module: str) -> None:
-    assert not {n for n in imports(module) if n.split(".")[0] == "aiohttp" or n in TRANSPORT}
 
 
 def test_depth() -> None:
