@@ -362,6 +362,9 @@ def test_network_policies_are_on_by_default_restored_and_pruned_when_disabled(
     doc = example()
     pools = {"qwen3-8b-prefill", "qwen3-8b-decode", "qwen3-8b-render"}
     cluster.wait_for(lambda: set(network_policies(cluster, ns, "qwen3-8b")) == pools, "a policy per pool", timeout=90)
+    # the policies may be applied before the Deployments: wait for every pool's
+    cluster.wait_for(lambda: {"prefill", "decode", "render"} <= set(deployments(cluster, ns, "qwen3-8b")),
+                     "a deployment per pool", timeout=90)
     live = network_policies(cluster, ns, "qwen3-8b")
     pods = deployments(cluster, ns, "qwen3-8b")
     for role, dep in pods.items():  # each policy selects its own pool's pods and no other pool's
