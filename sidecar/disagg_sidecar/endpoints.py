@@ -2,7 +2,9 @@
 
 Selection is local to this sidecar (each decode pod balances its own legs): ``least-requests``
 picks the endpoint with the fewest legs this sidecar has in flight (ties broken round-robin),
-which follows each endpoint's speed without any shared state. Endpoints that just failed are
+which follows each endpoint's speed without any shared state; ``prefix-affinity`` sends a prompt
+to the endpoint that already holds its leading KV blocks, bounded by load (affinity.py), and is
+least-requests for legs without prompt tokens. Endpoints that just failed are
 avoided for a short while, and a retry never goes to an endpoint already tried for that leg.
 """
 
@@ -11,17 +13,20 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
 
-Selection = Literal["round-robin", "random", "least-requests"]
+from disagg_sidecar.affinity import PrefixIndex, block_chain
+
+Selection = Literal["round-robin", "random", "least-requests", "prefix-affinity"]
 FAILURE_COOLDOWN_SECONDS = 5.0
 
 
 class EndpointPool:
     def __init__(self, name: str, endpoints: Callable[[], tuple[str, ...]], selection: Selection = "least-requests",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, prefixes: PrefixIndex | None = None,
+                 block_tokens: int = 16):
         self.name = name
         self._endpoints = endpoints
         self.selection = selection
@@ -29,6 +34,8 @@ class EndpointPool:
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
         self._turn = itertools.count()
+        self.prefixes = prefixes or PrefixIndex()
+        self.block_tokens = block_tokens
 
     def endpoints(self) -> tuple[str, ...]:
         return self._endpoints()
@@ -36,8 +43,9 @@ class EndpointPool:
     def outstanding(self, url: str) -> int:
         return self._outstanding.get(url, 0)
 
-    def pick(self, exclude: Collection[str] = ()) -> str | None:
-        """An endpoint not in ``exclude``; recently failed ones only when nothing else is left."""
+    def pick(self, exclude: Collection[str] = (), prompt: Sequence[int] = ()) -> str | None:
+        """An endpoint not in ``exclude``; recently failed ones only when nothing else is left.
+        ``prompt`` (token ids) is what prefix affinity keys on."""
         candidates = [u for u in self.endpoints() if u not in exclude]
         if not candidates:
             return None
@@ -49,6 +57,12 @@ class EndpointPool:
             return random.choice(candidates)
         if self.selection == "round-robin":
             return candidates[turn % len(candidates)]
+        if self.selection == "prefix-affinity" and prompt:
+            self.prefixes.forget(self.endpoints())
+            chain = block_chain(prompt, self.block_tokens)
+            if home := self.prefixes.choose(candidates, chain, self.outstanding):
+                self.prefixes.record(home, chain)
+                return home
         least = min(self.outstanding(u) for u in candidates)
         tied = [u for u in candidates if self.outstanding(u) == least]
         return tied[turn % len(tied)]

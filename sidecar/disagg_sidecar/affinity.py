@@ -1,0 +1,88 @@
+"""Prefix affinity for the prefill pool: send a prompt where its leading KV blocks were sent before.
+
+vLLM's prefix cache keys each full block of a prompt by a hash chained over every earlier block, so
+an engine can reuse its cache only for the longest run of leading full blocks it already computed.
+The sidecar mirrors that: it hashes a prompt's full blocks as a chain and remembers, per endpoint,
+the chain hashes of the prompts it sent there (bounded, least recently used first out). A prompt
+goes to the endpoint that holds its longest leading run. Prompts no endpoint holds more of than
+another (a new conversation, or only a shared system prompt) are spread by rendezvous hashing of
+the prompt's deepest block, so the same prompt maps to the same endpoint in every sidecar and
+distinct prompts spread evenly. Load bounds all of it: an endpoint more than ``max_imbalance`` legs
+above the least loaded candidate is not chosen for affinity, so a hot prefix cannot pile up on one
+engine; the pool then falls back to least-requests.
+
+The index is this sidecar's own view (no shared state): with several decode pods, a conversation's
+next turn finds its prefill home only through the sidecar that saw the last turn, or through an
+endpoint picker that names the prefill pod (``x-prefiller-host-port``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_CAPACITY_BLOCKS = 32_768  # per endpoint; ~100 bytes each, so a few MiB at most
+DEFAULT_MAX_IMBALANCE = 4
+
+
+def block_chain(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[bytes]:
+    """One hash per full block, each covering every token up to that block's end (a partial tail block
+    is never cached by the engine, so it is left out)."""
+    chain: list[bytes] = []
+    previous = b""
+    for end in range(block_tokens, len(tokens) + 1, block_tokens):
+        block = array("q", tokens[end - block_tokens:end]).tobytes()
+        previous = hashlib.blake2b(previous + block, digest_size=8).digest()
+        chain.append(previous)
+    return chain
+
+
+def rendezvous(key: bytes, candidates: Sequence[str]) -> str:
+    """The candidate with the highest hash of (key, candidate): stable while candidates come and go."""
+    return max(candidates, key=lambda url: hashlib.blake2b(key + url.encode(), digest_size=8).digest())
+
+
+class PrefixIndex:
+    """Per endpoint, the block-chain hashes of the prompts this sidecar sent there."""
+
+    def __init__(self, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS, max_imbalance: int = DEFAULT_MAX_IMBALANCE):
+        self.capacity_blocks = capacity_blocks
+        self.max_imbalance = max_imbalance
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
+
+    def matched_blocks(self, url: str, chain: Sequence[bytes]) -> int:
+        """How many leading blocks of ``chain`` were sent to ``url`` (scanned from the deepest: a new
+        turn of a conversation matches a few blocks below its end)."""
+        held = self._held.get(url)
+        if not held:
+            return 0
+        for depth in range(len(chain), 0, -1):
+            if chain[depth - 1] in held:
+                return depth
+        return 0
+
+    def choose(self, candidates: Sequence[str], chain: Sequence[bytes], outstanding: Callable[[str], int]) -> str | None:
+        """The affinity choice among ``candidates``, or None to let the caller balance by load."""
+        if not candidates or not chain:
+            return None
+        least = min(outstanding(u) for u in candidates)
+        allowed = [u for u in candidates if outstanding(u) <= least + self.max_imbalance]
+        matched = {u: self.matched_blocks(u, chain) for u in allowed}
+        best = max(matched.values())
+        return rendezvous(chain[-1], [u for u in allowed if matched[u] == best])
+
+    def record(self, url: str, chain: Sequence[bytes]) -> None:
+        held = self._held.setdefault(url, OrderedDict())
+        for key in chain:
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self.capacity_blocks:
+            held.popitem(last=False)
+
+    def forget(self, keep: Sequence[str]) -> None:
+        """Drop endpoints that left the pool (their engines' caches went with them)."""
+        for url in set(self._held) - set(keep):
+            del self._held[url]
