@@ -63,10 +63,12 @@ def url_host_port(url: str) -> HostPort:
     return HostPort(parts.hostname.lower().rstrip("."), parts.port)
 
 
-def select_prefill(values: Sequence[str], endpoints: Iterable[str]) -> str | None:
+def select_prefill(values: Sequence[str], endpoints: Iterable[str], pool_port: int | None = None) -> str | None:
     """The prefill URL the header names, None without a header; raises the 400/403 to answer.
 
-    ``values`` are all occurrences of the header in the request.
+    ``values`` are all occurrences of the header in the request. ``pool_port`` is the InferencePool's
+    target port: an endpoint picker names every pod of the pool at that one port, while a prefill
+    engine listens on its own, so a header at ``pool_port`` names the prefill endpoint on that host.
     """
     if not values:
         return None
@@ -78,7 +80,8 @@ def select_prefill(values: Sequence[str], endpoints: Iterable[str]) -> str | Non
         raise SidecarError(400, f"{wire.PREFILLER_HOST_PORT} must be exactly one host:port",
                            type_="BadRequestError", param=wire.PREFILLER_HOST_PORT)
     for url in endpoints:
-        if url_host_port(url) == target:
+        endpoint = url_host_port(url)
+        if endpoint == target or (target.port == pool_port and endpoint.host == target.host):
             return url
     raise SidecarError(403, f"{wire.PREFILLER_HOST_PORT} {target} is not a prefill endpoint of this model",
                        type_="PermissionDeniedError", param=wire.PREFILLER_HOST_PORT)

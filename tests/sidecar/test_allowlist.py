@@ -90,3 +90,13 @@ def test_no_prefill_endpoints_rejects_every_target() -> None:
 def test_selects_the_matching_url() -> None:
     assert select_prefill(["[FD00::7]:8200"], ENDPOINTS) == "http://[fd00::7]:8200"
     assert select_prefill(["prefill-1.ns.svc:8200"], ENDPOINTS) == "http://prefill-1.ns.svc:8200"
+
+
+def test_an_inference_pool_port_names_the_prefill_engine_on_that_host() -> None:
+    # llm-d's endpoint picker names every pod of an InferencePool at the pool's target port (the sidecar's).
+    assert select_prefill(["10.0.0.5:8000"], ENDPOINTS, pool_port=8000) == "http://10.0.0.5:8200"
+    assert select_prefill(["[fd00::7]:8000"], ENDPOINTS, pool_port=8000) == "http://[fd00::7]:8200"
+    for value, pool_port in (("10.0.0.5:8000", None), ("10.0.0.5:8001", 8000), ("10.0.0.6:8000", 8000)):
+        with pytest.raises(SidecarError) as err:
+            select_prefill([value], ENDPOINTS, pool_port=pool_port)
+        assert err.value.status == 403, value
