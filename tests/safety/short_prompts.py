@@ -1,4 +1,4 @@
-"""The requests that used to kill engines (issue 17, item 9), and the checks that none did.
+"""The requests that used to kill engines (docs/protocol.md §5), and the checks that none did.
 
 Completions with one prompt and with a list of three, and chat, at 1, 2, 15 and 17 tokens (chat:
 that many tokens of message content; the template adds its own), each sent twice; completions also
