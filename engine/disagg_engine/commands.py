@@ -13,7 +13,9 @@ import sys
 
 from disagg_engine.plugin import PLUGIN_NAME
 
+# vLLM's server modules (`vllm serve` and `vllm launch render` without the `vllm` console script).
 SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
 USAGE = "usage: disagg engine MODEL [vllm serve flags...]"
 
 

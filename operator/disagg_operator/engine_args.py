@@ -25,17 +25,9 @@ LAUNCHER_ARGV: Mapping[Launcher, tuple[str, ...]] = {
     Launcher.LAUNCH_RENDER: ("vllm", "launch", "render"),
 }
 
-# Environment variables read by vLLM (vllm/envs.py).
-NIXL_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
-NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+# Environment variables read by vLLM (vllm/envs.py); a KV connector's are in its profile.
 VLLM_PLUGINS = "VLLM_PLUGINS"
 ENGINE_PLUGIN_NAME = "disagg"  # the `vllm.endpoint_plugins` entry point in pyproject.toml
-
-# KV connector names as vLLM's kv_connector factory spells them; "None" turns KV transfer off.
-NIXL = "NixlConnector"
-EXAMPLE = "ExampleConnector"
-NO_CONNECTOR = "None"
-KV_CONNECTORS: tuple[str, ...] = (NIXL, EXAMPLE, NO_CONNECTOR)
 
 TOKENS_ONLY = "--tokens-only"
 ENABLE_SCALE_OUT = "--enable-scale-out"
@@ -131,10 +123,9 @@ def parser_flags(tool_call_parser: str | None, reasoning_parser: str | None, aut
 
 def kv_transfer_config(connector: str, extra_config: Mapping[str, Any] | None, kv_role: str,
                        module_path: str | None = None) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` object; ``kv_role`` is the connector's for the pool
-    (``disagg_sidecar.connectors``: ExampleConnector writes on prefill and reads on decode, NIXL
-    is ``kv_both`` and the sidecar's per-request params decide the direction); ``module_path``
-    names the module holding the connector class instead of vLLM's registry."""
+    """The ``--kv-transfer-config`` object; ``kv_role`` is the connector profile's for the pool
+    (``disagg_sidecar.connectors``); ``module_path`` names the module holding the connector class
+    instead of vLLM's registry."""
     config: dict[str, Any] = {"kv_connector": connector, "kv_role": kv_role}
     if module_path:
         config["kv_connector_module_path"] = module_path
@@ -205,7 +196,6 @@ def vllm_features(version: str) -> dict[str, bool]:
     at_least_0_33 = parse_version(version) >= (0, 33, 0)
     return {
         "generate_output_mode_derender": at_least_0_33,  # /inference/v1/generate output_mode="derender"
-        "render_hoists_kv_transfer_params": at_least_0_33,  # else inside sampling_params.extra_args
         "render_parse_context": at_least_0_33,
         # Batch /derender answers with the coupled endpoint's finish_reason for the same tokens
         # (0.32's says "stop" where coupled says "tool_calls", and the reverse after a length cut).

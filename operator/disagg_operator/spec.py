@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from disagg_operator import engine_args, rules
+from disagg_operator import rules
+from disagg_operator.kv import connector_description
+from disagg_sidecar.connectors import DEFAULT as DEFAULT_CONNECTOR
 
 GROUP = "disagg.dev"
 VERSION = "v1alpha1"
@@ -140,7 +142,7 @@ class KVTransferSpec(WireModel):
     """How prefill hands KV cache to decode."""
 
     connector: Annotated[str, StringConstraints(max_length=64)] = Field(
-        engine_args.NIXL, description="NixlConnector (default), ExampleConnector (shared storage) or None."
+        DEFAULT_CONNECTOR, description=connector_description()
     )
     extra_config: KubeObject | None = Field(None, description="vLLM kv_connector_extra_config.")
     side_channel_port: int = Field(5600, description="NIXL side-channel port (one more per data-parallel rank).")

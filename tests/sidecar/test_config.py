@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from disagg_sidecar.commands import sidecar_main
-from disagg_sidecar.config import SidecarConfig, load_config
+from disagg_sidecar.config import SidecarConfig, dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,14 +80,15 @@ def test_the_operators_config_is_accepted(example: str) -> None:
 
     doc = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
     plan = build_plan(DisaggregatedModelSpec.model_validate(doc["spec"]), doc["metadata"]["name"], "ns")
-    config = SidecarConfig.model_validate(plan.sidecar.config)
+    config = SidecarConfig.model_validate(yaml.safe_load(yaml.safe_dump(dump_config(plan.sidecar.config))))
+    assert config == plan.sidecar.config  # the file the operator writes reads back as the same config
     assert config.decode.url.startswith("http://127.0.0.1:")
     if config.prefill.mode == "remote":
         assert config.kv_connector is not None
     local = plan.sidecar_config(sidecar_config.static_endpoints(
         decode_url="http://127.0.0.1:8200", render_url="http://127.0.0.1:8100", derender_url=None,
         prefill_urls=["http://127.0.0.1:8300"]), listen_port=9000)
-    config = SidecarConfig.model_validate(local)
+    config = SidecarConfig.model_validate(dump_config(local))
     assert config.listen.port == 9000 and config.derender_urls == ("http://127.0.0.1:8200",)
 
 
