@@ -17,7 +17,8 @@ from typing import Any, Protocol
 from disagg_operator import drift, names
 from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, build_plan
-from disagg_operator.spec import API_VERSION, KIND, SpecError, parse_manifest
+from disagg_operator.manifest import parse_manifest
+from disagg_operator.spec import API_VERSION, KIND, SpecError
 from disagg_operator.status import compute_status, invalid_status
 
 

@@ -9,7 +9,7 @@ import yaml
 
 from disagg_operator.plan import Plan, Role, build_plan
 from disagg_operator.pool_plan import PoolPlan
-from disagg_operator.spec import parse_spec
+from disagg_operator.manifest import parse_spec
 from disagg_sidecar.config import dump_config
 from tests.operator.cases import merged
 

@@ -14,9 +14,10 @@ import yaml
 from disagg_cli.local.runner import load_spec, plan_processes
 from disagg_operator import names
 from disagg_operator.kv import KV_SHARED_PATH
+from disagg_operator.manifest import parse_spec
 from disagg_operator.objects import build_objects
 from disagg_operator.plan import Role
-from disagg_operator.spec import SpecError, parse_spec
+from disagg_operator.spec import SpecError
 from disagg_sidecar import connectors
 from disagg_sidecar.config import SidecarConfig, dump_config
 from disagg_sidecar.connectors import SideChannel

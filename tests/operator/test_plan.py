@@ -10,7 +10,8 @@ from disagg_operator import sidecar_config
 from disagg_operator.engine_args import Launcher
 from disagg_operator.plan import Role, build_plan
 from disagg_operator.pool_plan import POD_IP
-from disagg_operator.spec import SpecError, parse_manifest, parse_spec
+from disagg_operator.manifest import parse_manifest, parse_spec
+from disagg_operator.spec import SpecError
 from disagg_sidecar.config import dump_config
 from disagg_sidecar.connectors import NixlConnector
 from tests.operator.builders import (

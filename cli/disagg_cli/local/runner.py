@@ -28,7 +28,8 @@ from disagg_engine.servers import (
     ManagedServer, ServerSpec, ServerStartError, free_port, pid_alive, signal_group, start, stop_all, wait_healthy,
 )
 from disagg_operator.plan import build_plan
-from disagg_operator.spec import SpecError, parse_manifest
+from disagg_operator.manifest import parse_manifest
+from disagg_operator.spec import SpecError
 from disagg_sidecar.config import dump_config
 
 STATE_FILE = "state.json"
