@@ -27,7 +27,6 @@ LAUNCHER_ARGV: Mapping[Launcher, tuple[str, ...]] = {
 
 # Environment variables read by vLLM (vllm/envs.py); a KV connector's are in its profile.
 VLLM_PLUGINS = "VLLM_PLUGINS"
-ENGINE_PLUGIN_NAME = "disagg"  # the `vllm.endpoint_plugins` entry point in pyproject.toml
 
 TOKENS_ONLY = "--tokens-only"
 ENABLE_SCALE_OUT = "--enable-scale-out"

@@ -22,6 +22,7 @@ from disagg_operator.kv import KVPlan
 from disagg_operator.names import Role
 from disagg_operator.pool_plan import AutoscalingPlan, ChatTemplatePlan, EnvVar, ModelSource, PoolPlan, config_hash
 from disagg_operator.spec import CPUPoolSpec, DisaggregatedModelSpec, GPUPoolSpec, PoolSpec, SpecError
+from disagg_sidecar import wire
 
 DEFAULT_CPU_TARGET = 80
 # Startup budgets before Kubernetes gives up on a pod: weights download + load vs tokenizer only.
@@ -130,7 +131,7 @@ def decode_pool(i: PoolInputs, pool: GPUPoolSpec) -> PoolPlan:
     env, ports = i.kv.side_channel_env(pool)
     decode_env = _merge_env(env, _user_env(pool, i.spec))
     if i.spec.engine.extension:
-        decode_env = _with_plugin(decode_env, engine_args.ENGINE_PLUGIN_NAME)
+        decode_env = _with_plugin(decode_env, wire.ENGINE_EXTENSION)
     args = [*i.shared, *i.tokenize, *i.parse, engine_args.ENABLE_SCALE_OUT, *_parallel(pool), *i.kv.flags(Role.DECODE)]
     return _pool_plan(i, Role.DECODE, pool, Launcher.SERVE, args, decode_env, ports, uses_template=True)
 
