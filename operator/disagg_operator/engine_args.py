@@ -175,12 +175,10 @@ def renderer_flags(workers: int) -> list[str]:
     return ["--renderer-num-workers", str(workers)]
 
 
-def vllm_argv(
-    launcher: Launcher, model_arg: str, vllm_args: Sequence[str], *, port: int,
-    revision: str | None = None, host: str = "0.0.0.0",
-) -> list[str]:
-    """The full command line: launcher, model, model location, listen address, role flags."""
-    return [*launcher_argv(launcher), model_arg, *revision_flags(revision), *listen_flags(port, host), *vllm_args]
+def server_args(model_arg: str, vllm_args: Sequence[str], *, port: int, revision: str | None = None,
+                host: str = "0.0.0.0") -> list[str]:
+    """What follows the launcher: model location, revision, listen address, role flags."""
+    return [model_arg, *revision_flags(revision), *listen_flags(port, host), *vllm_args]
 
 
 def parse_version(version: str) -> tuple[int, int, int]:

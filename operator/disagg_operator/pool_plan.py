@@ -100,10 +100,13 @@ class PoolPlan:
     config_hash: str
     health_path: str = HEALTH_PATH
 
-    def argv(self, model: ModelSource, *, model_arg: str | None = None, port: int | None = None,
-             host: str = "0.0.0.0") -> list[str]:
-        """The full command line; ``model_arg`` replaces the model location (and drops --revision)."""
-        return engine_args.vllm_argv(
-            self.launcher, model_arg or model.argument, self.vllm_args, port=self.port if port is None else port,
-            revision=model.revision if model_arg is None else None, host=host,
-        )
+    def server_args(self, model: ModelSource, *, model_arg: str | None = None, port: int | None = None,
+                    host: str = "0.0.0.0") -> list[str]:
+        """The arguments after the launcher; ``model_arg`` replaces the model location (and drops --revision)."""
+        return engine_args.server_args(model_arg or model.argument, self.vllm_args,
+                                       port=self.port if port is None else port,
+                                       revision=model.revision if model_arg is None else None, host=host)
+
+    def argv(self, model: ModelSource, **where: Any) -> list[str]:
+        """The full command line (``where``: as for ``server_args``)."""
+        return [*engine_args.launcher_argv(self.launcher), *self.server_args(model, **where)]

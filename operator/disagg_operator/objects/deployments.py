@@ -36,8 +36,6 @@ def _probe(path: str, port: str, period: int, failures: int, timeout: int = 3) -
 
 
 def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
-    argv = pool.argv(plan.model)
-    launcher = engine_args.launcher_argv(pool.launcher)
     ports = [{"name": names.ENGINE_PORT, "containerPort": pool.port, "protocol": "TCP"}]
     ports += [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in plan.side_channel_ports(pool)]
     env = [e.to_k8s() for e in pool.env]
@@ -58,8 +56,8 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": names.VLLM_CONTAINER,
         "image": pool.image,
-        "command": launcher,
-        "args": argv[len(launcher):],
+        "command": engine_args.launcher_argv(pool.launcher),
+        "args": pool.server_args(plan.model),
         "ports": ports,
         "env": env,
         "volumeMounts": mounts,
