@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from disagg_operator import names
+from disagg_operator.manifest import parse_manifest
 from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, Role, build_plan
-from disagg_operator.manifest import parse_manifest
 from disagg_sidecar.config import dump_config
 from tests.harness.cluster import Cluster
 from tests.operator.cases import EDGES, INVALID, Invalid, base, merged

@@ -9,7 +9,9 @@ import yaml
 from pydantic import ValidationError
 
 from disagg_sidecar.commands import sidecar_main
-from disagg_sidecar.config import SidecarConfig, dump_config, load_config
+from disagg_sidecar.config import (
+    Decode, DNSDiscovery, EndpointSliceDiscovery, Prefill, SidecarConfig, StaticDiscovery, dump_config, load_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,6 +51,20 @@ def test_full_config(tmp_path: Path) -> None:
     assert c.render_urls == ("http://r1:8200", "http://r2:8200") and c.derender_urls == ("http://d:8200",)
     assert c.derender_timeout == 5 and c.prefill_tokens_only
     assert c.configured_capabilities.streaming_output_modes == ("tokens",)
+
+
+@pytest.mark.parametrize("discovery", [
+    StaticDiscovery(urls=("http://p:1",)), DNSDiscovery(host="p.ns.svc", port=8200),
+    EndpointSliceDiscovery(namespace="ns", service="p", port_name="engine"),
+])
+def test_a_written_config_reads_back_equal_with_only_what_the_writer_set(discovery) -> None:
+    """dump_config keeps defaults out of the file, but always writes a discovery's `kind` (it tells them apart)."""
+    config = SidecarConfig(decode=Decode(url="http://127.0.0.1:8200"), kv_connector="NixlConnector",
+                           prefill=Prefill(mode="remote", discovery=discovery))
+    written = dump_config(config)
+    assert written["prefill"]["discovery"]["kind"] == discovery.kind
+    assert set(written) == {"decode", "kv_connector", "prefill"} and "limits" not in written
+    assert SidecarConfig.model_validate(yaml.safe_load(yaml.safe_dump(written))) == config
 
 
 @pytest.mark.parametrize("patch, match", [
