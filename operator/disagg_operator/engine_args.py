@@ -1,7 +1,7 @@
 """The one place vLLM command-line flags and environment variable names are spelled.
 
 Everything here is pure string building; which tier gets which group of flags is decided in
-``plan.py``. References: vllm-scale-out-protocol.md §1 (processes, flags) and §5 (KV transfer).
+``pools.py``.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def parse_version(version: str) -> tuple[int, int, int]:
 
 
 def vllm_features(version: str) -> dict[str, bool]:
-    """What the sidecar may rely on, by vLLM version (vllm-scale-out-protocol.md §10)."""
+    """What the sidecar may rely on, by vLLM version."""
     at_least_0_33 = parse_version(version) >= (0, 33, 0)
     return {
         "generate_output_mode_derender": at_least_0_33,  # /inference/v1/generate output_mode="derender"

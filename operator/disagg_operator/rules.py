@@ -28,7 +28,7 @@ from disagg_sidecar.connectors import REGISTRY as KV_CONNECTORS
 ROOT = "DisaggregatedModel"
 
 # Oldest vLLM whose scale-out API (launch render, --tokens-only, --enable-scale-out gating,
-# --renderer-num-workers) matches what the plan emits (vllm-scale-out-protocol.md §1, §10).
+# --renderer-num-workers) matches what the plan emits.
 MIN_VLLM = (0, 32)
 
 MAX_NAME_LENGTH = 54  # "<name>-derender" must still be a 63-character DNS label
