@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import sys
 
-from disagg_engine.plugin import PLUGIN_NAME
+from disagg_sidecar.wire import ENGINE_EXTENSION as PLUGIN_NAME
 
+# vLLM's server modules (`vllm serve` and `vllm launch render` without the `vllm` console script).
 SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+RENDER_MODULE = "vllm.entrypoints.launchers.render.entry"
 USAGE = "usage: disagg engine MODEL [vllm serve flags...]"
 
 

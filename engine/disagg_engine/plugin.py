@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagg_sidecar import wire
+
 EXTENSION_VERSION = "1"
-PLUGIN_NAME = "disagg"
+PLUGIN_NAME = wire.ENGINE_EXTENSION
 
 
 def capabilities(serving, args) -> dict[str, Any]:
@@ -29,7 +31,7 @@ def capabilities(serving, args) -> dict[str, Any]:
         "tokenizer": tokenizer,
         "parser_configured": chat_parser_configured(getattr(serving, "chat", None)),
         **configured_parsers(args),
-        "abort_path": "/inference/v1/abort_requests",
+        "abort_path": wire.ABORT,
     }
 
 

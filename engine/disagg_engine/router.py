@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from disagg_engine.protocol import DisaggGenerateRequest
+from disagg_sidecar import wire
 from disagg_engine.vllm_compat import (
     ErrorResponse,
     GenerateResponseBase,
@@ -21,7 +22,7 @@ from disagg_engine.vllm_compat import (
 
 router = APIRouter()
 abort_router = APIRouter()
-ABORT_PATH = "/inference/v1/abort_requests"
+ABORT_PATH = wire.ABORT
 # Aborts run after the response; the loop keeps only weak references to tasks.
 _background: set[asyncio.Task] = set()
 
@@ -33,7 +34,7 @@ def _error(status: HTTPStatus, message: str) -> JSONResponse:
     )
 
 
-@router.post("/inference/v1/generate", dependencies=[Depends(validate_json_request)])
+@router.post(wire.GENERATE, dependencies=[Depends(validate_json_request)])
 @with_cancellation
 @load_aware_call
 async def generate(request: DisaggGenerateRequest, raw_request: Request):
@@ -50,7 +51,7 @@ async def generate(request: DisaggGenerateRequest, raw_request: Request):
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-@router.get("/disagg/v1/capabilities")
+@router.get(wire.CAPABILITIES)
 async def get_capabilities(raw_request: Request):
     caps = getattr(raw_request.app.state, "disagg_capabilities", None)
     if caps is None:

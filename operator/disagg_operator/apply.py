@@ -14,26 +14,13 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from disagg_operator.objects import names
+from disagg_operator import names
+from disagg_operator.kinds import BY_TYPE
 from disagg_operator.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = names.OPERATOR
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 MERGE = "application/merge-patch+json"
-
-# (apiVersion, kind) → (typed API class, method suffix) for every kind the operator owns.
-_APIS: Mapping[tuple[str, str], tuple[str, str]] = {
-    ("v1", "ServiceAccount"): ("CoreV1Api", "namespaced_service_account"),
-    ("v1", "ConfigMap"): ("CoreV1Api", "namespaced_config_map"),
-    ("v1", "Service"): ("CoreV1Api", "namespaced_service"),
-    ("rbac.authorization.k8s.io/v1", "Role"): ("RbacAuthorizationV1Api", "namespaced_role"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("RbacAuthorizationV1Api", "namespaced_role_binding"),
-    ("apps/v1", "Deployment"): ("AppsV1Api", "namespaced_deployment"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): ("AutoscalingV2Api", "namespaced_horizontal_pod_autoscaler"),
-    ("policy/v1", "PodDisruptionBudget"): ("PolicyV1Api", "namespaced_pod_disruption_budget"),
-    ("networking.k8s.io/v1", "NetworkPolicy"): ("NetworkingV1Api", "namespaced_network_policy"),
-}
-
 
 class ApplyError(RuntimeError):
     """The API server refused a request; ``permanent`` when retrying the same request cannot help."""
@@ -76,10 +63,10 @@ class KubeApi:
         return cls(client.ApiClient(configuration))
 
     def _method(self, obj_or_type: tuple[str, str], verb: str) -> Any:
-        api_name, suffix = _APIS[obj_or_type]
-        if api_name not in self._apis:
-            self._apis[api_name] = getattr(client, api_name)(self._client)
-        return getattr(self._apis[api_name], f"{verb}_{suffix}")
+        kind = BY_TYPE[obj_or_type]
+        if kind.client not in self._apis:
+            self._apis[kind.client] = getattr(client, kind.client)(self._client)
+        return getattr(self._apis[kind.client], f"{verb}_{kind.method_suffix}")
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply ``obj``; returns the live object."""

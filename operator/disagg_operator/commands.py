@@ -34,7 +34,8 @@ def render_manifests(documents: Iterable[Any], default_namespace: str) -> list[d
     """Every object for every DisaggregatedModel in ``documents`` (SpecError on a bad one)."""
     from disagg_operator.objects import build_objects
     from disagg_operator.plan import build_plan
-    from disagg_operator.spec import API_VERSION, KIND, SpecError, parse_manifest
+    from disagg_operator.manifest import parse_manifest
+    from disagg_operator.spec import API_VERSION, KIND, SpecError
 
     out: list[dict[str, Any]] = []
     for i, doc in enumerate(documents):

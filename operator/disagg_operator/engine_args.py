@@ -1,7 +1,7 @@
 """The one place vLLM command-line flags and environment variable names are spelled.
 
 Everything here is pure string building; which tier gets which group of flags is decided in
-``plan.py``. References: vllm-scale-out-protocol.md §1 (processes, flags) and §5 (KV transfer).
+``pools.py``.
 """
 
 from __future__ import annotations
@@ -25,17 +25,8 @@ LAUNCHER_ARGV: Mapping[Launcher, tuple[str, ...]] = {
     Launcher.LAUNCH_RENDER: ("vllm", "launch", "render"),
 }
 
-# Environment variables read by vLLM (vllm/envs.py).
-NIXL_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
-NIXL_SIDE_CHANNEL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+# Environment variables read by vLLM (vllm/envs.py); a KV connector's are in its profile.
 VLLM_PLUGINS = "VLLM_PLUGINS"
-ENGINE_PLUGIN_NAME = "disagg"  # the `vllm.endpoint_plugins` entry point in pyproject.toml
-
-# KV connector names as vLLM's kv_connector factory spells them; "None" turns KV transfer off.
-NIXL = "NixlConnector"
-EXAMPLE = "ExampleConnector"
-NO_CONNECTOR = "None"
-KV_CONNECTORS: tuple[str, ...] = (NIXL, EXAMPLE, NO_CONNECTOR)
 
 TOKENS_ONLY = "--tokens-only"
 ENABLE_SCALE_OUT = "--enable-scale-out"
@@ -131,10 +122,9 @@ def parser_flags(tool_call_parser: str | None, reasoning_parser: str | None, aut
 
 def kv_transfer_config(connector: str, extra_config: Mapping[str, Any] | None, kv_role: str,
                        module_path: str | None = None) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` object; ``kv_role`` is the connector's for the pool
-    (``disagg_sidecar.connectors``: ExampleConnector writes on prefill and reads on decode, NIXL
-    is ``kv_both`` and the sidecar's per-request params decide the direction); ``module_path``
-    names the module holding the connector class instead of vLLM's registry."""
+    """The ``--kv-transfer-config`` object; ``kv_role`` is the connector profile's for the pool
+    (``disagg_sidecar.connectors``); ``module_path`` names the module holding the connector class
+    instead of vLLM's registry."""
     config: dict[str, Any] = {"kv_connector": connector, "kv_role": kv_role}
     if module_path:
         config["kv_connector_module_path"] = module_path
@@ -185,12 +175,10 @@ def renderer_flags(workers: int) -> list[str]:
     return ["--renderer-num-workers", str(workers)]
 
 
-def vllm_argv(
-    launcher: Launcher, model_arg: str, vllm_args: Sequence[str], *, port: int,
-    revision: str | None = None, host: str = "0.0.0.0",
-) -> list[str]:
-    """The full command line: launcher, model, model location, listen address, role flags."""
-    return [*launcher_argv(launcher), model_arg, *revision_flags(revision), *listen_flags(port, host), *vllm_args]
+def server_args(model_arg: str, vllm_args: Sequence[str], *, port: int, revision: str | None = None,
+                host: str = "0.0.0.0") -> list[str]:
+    """What follows the launcher: model location, revision, listen address, role flags."""
+    return [model_arg, *revision_flags(revision), *listen_flags(port, host), *vllm_args]
 
 
 def parse_version(version: str) -> tuple[int, int, int]:
@@ -201,11 +189,10 @@ def parse_version(version: str) -> tuple[int, int, int]:
 
 
 def vllm_features(version: str) -> dict[str, bool]:
-    """What the sidecar may rely on, by vLLM version (vllm-scale-out-protocol.md §10)."""
+    """What the sidecar may rely on, by vLLM version."""
     at_least_0_33 = parse_version(version) >= (0, 33, 0)
     return {
         "generate_output_mode_derender": at_least_0_33,  # /inference/v1/generate output_mode="derender"
-        "render_hoists_kv_transfer_params": at_least_0_33,  # else inside sampling_params.extra_args
         "render_parse_context": at_least_0_33,
         # Batch /derender answers with the coupled endpoint's finish_reason for the same tokens
         # (0.32's says "stop" where coupled says "tool_calls", and the reverse after a length cut).

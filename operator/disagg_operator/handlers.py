@@ -22,9 +22,9 @@ from typing import Any
 
 import kopf
 
-from disagg_operator import drift, metrics
+from disagg_operator import drift, metrics, names
 from disagg_operator.apply import ApplyError, KubeApi
-from disagg_operator.objects import MANAGED_KINDS, names
+from disagg_operator.kinds import MANAGED_KINDS
 from disagg_operator.reconcile import Outcome, converge, model_status, restore_child
 from disagg_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from disagg_operator.status import status_patch
@@ -65,10 +65,8 @@ def _index_child(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
     return {(namespace, labels[names.INSTANCE]): _plain(body)}
 
 
-for _api_version, _kind, _plural in MANAGED_KINDS:
-    _group, _, _version = _api_version.rpartition("/")
-    _resource = (_group, _version, _plural) if _group else (_version, _plural)
-    kopf.index(*_resource, id="children", labels=CHILD_FILTER)(_index_child)
+for _kind in MANAGED_KINDS:
+    kopf.index(*_kind.resource, id="children", labels=CHILD_FILTER)(_index_child)
 
 
 def _live(children: kopf.Index, namespace: str, name: str) -> dict[drift.Key, dict[str, Any]]:
@@ -217,7 +215,5 @@ class StatusWriter:
             raise
 
 
-for _api_version, _kind, _plural in MANAGED_KINDS:
-    _group, _, _version = _api_version.rpartition("/")
-    _resource = (_group, _version, _plural) if _group else (_version, _plural)
-    kopf.on.event(*_resource, id=f"child-{_plural}", labels=CHILD_FILTER)(child_changed)
+for _kind in MANAGED_KINDS:
+    kopf.on.event(*_kind.resource, id=f"child-{_kind.plural}", labels=CHILD_FILTER)(child_changed)

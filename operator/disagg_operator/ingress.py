@@ -1,12 +1,13 @@
 """Who may open connections to each pool's pods: the per-model NetworkPolicies as a pure plan.
 
-Connections inside one model (objects/services.py, sidecar_config.py, vllm-scale-out-protocol.md §5):
+Connections inside one model (objects/services.py, sidecar_config.py):
 - clients → decode pods on the sidecar port (the `<name>` Service): the sidecar is the model's front
   door and strips what clients must not set, so any source may reach it;
 - decode pods (their sidecar) → render and derender pods, and prefill pods, on the engine port;
-- NIXL: decode → prefill side channel (one port per data-parallel rank), then UCX moves the KV. UCX
-  over TCP listens on ports it picks and connects in both directions, so with NIXL a model's prefill
-  and decode pods accept any port from each other (RDMA traffic bypasses NetworkPolicies anyway);
+- a KV connector with a side channel (NIXL): decode → prefill side channel (one port per
+  data-parallel rank), then the transfer (NIXL's UCX over TCP listens on ports it picks and connects
+  in both directions), so a model's prefill and decode pods accept any port from each other (RDMA
+  traffic bypasses NetworkPolicies anyway);
 - the sidecar reaches its own decode engine over the pod's loopback, which no policy filters, so the
   decode engine port stays closed to everything else.
 Kubelet probes come from the node, which NetworkPolicies always allow. Egress is not restricted
@@ -19,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_operator import engine_args
-from disagg_operator.plan import Plan, Role
+from disagg_operator.names import Role
+from disagg_operator.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -54,16 +55,16 @@ def ingress_plan(plan: Plan) -> tuple[PoolIngress, ...]:
     policy = plan.spec.network_policy
     if not policy.enabled:
         return ()
-    nixl = plan.kv_connector == engine_args.NIXL
+    engines_connect = plan.kv.side_channel is not None
     extra = tuple(policy.extra_engine_from)
     out = []
     for pool in plan.pools:
         if pool.role == Role.DECODE:
             rules = [Ingress((plan.sidecar.port,), from_anywhere=True)]
-            if nixl:
+            if engines_connect:
                 rules.append(Ingress((), from_roles=(Role.PREFILL,)))
         elif pool.role == Role.PREFILL:
-            rules = [Ingress(() if nixl else (pool.port,), from_roles=(Role.DECODE,))]
+            rules = [Ingress(() if engines_connect else (pool.port,), from_roles=(Role.DECODE,))]
         else:  # render, derender: the sidecar's render and derender legs
             rules = [Ingress((pool.port,), from_roles=(Role.DECODE,))]
         if extra:

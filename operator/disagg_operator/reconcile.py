@@ -14,10 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from disagg_operator import drift
-from disagg_operator.objects import build_objects, names
+from disagg_operator import drift, names
+from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, build_plan
-from disagg_operator.spec import API_VERSION, KIND, SpecError, parse_manifest
+from disagg_operator.manifest import parse_manifest
+from disagg_operator.spec import API_VERSION, KIND, SpecError
 from disagg_operator.status import compute_status, invalid_status
 
 

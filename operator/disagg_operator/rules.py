@@ -22,11 +22,13 @@ from typing import Any
 
 from disagg_operator import engine_args
 from disagg_operator.arg_rules import FlagRule, cel_list
+from disagg_operator.kv import NO_CONNECTOR, connector_choices
+from disagg_sidecar.connectors import REGISTRY as KV_CONNECTORS
 
 ROOT = "DisaggregatedModel"
 
 # Oldest vLLM whose scale-out API (launch render, --tokens-only, --enable-scale-out gating,
-# --renderer-num-workers) matches what the plan emits (vllm-scale-out-protocol.md §1, §10).
+# --renderer-num-workers) matches what the plan emits.
 MIN_VLLM = (0, 32)
 
 MAX_NAME_LENGTH = 54  # "<name>-derender" must still be a 63-character DNS label
@@ -119,10 +121,10 @@ RULES: tuple[Rule, ...] = (
     # --- spec: cross-field -----------------------------------------------------------------------
     Rule(
         "prefill-needs-connector", "DisaggregatedModelSpec",
-        f"self.pools.prefill.replicas == 0 || self.kvTransfer.connector != '{engine_args.NO_CONNECTOR}'",
-        "pools.prefill.replicas > 0 needs a KV connector: set kvTransfer.connector to NixlConnector or "
-        "ExampleConnector, or set pools.prefill.replicas to 0 to prefill on decode",
-        lambda s: s.pools.prefill.replicas == 0 or s.kv_transfer.connector != engine_args.NO_CONNECTOR,
+        f"self.pools.prefill.replicas == 0 || self.kvTransfer.connector != '{NO_CONNECTOR}'",
+        f"pools.prefill.replicas > 0 needs a KV connector: set kvTransfer.connector to {' or '.join(KV_CONNECTORS)}, "
+        "or set pools.prefill.replicas to 0 to prefill on decode",
+        lambda s: s.pools.prefill.replicas == 0 or s.kv_transfer.connector != NO_CONNECTOR,
         ".kvTransfer.connector",
     ),
     Rule(
@@ -182,9 +184,10 @@ RULES: tuple[Rule, ...] = (
     ),
     # --- KV transfer -----------------------------------------------------------------------------
     Rule(
-        "kv.connector", "KVTransferSpec", f"self.connector in {cel_list(engine_args.KV_CONNECTORS)}",
-        f"kvTransfer.connector must be one of {', '.join(engine_args.KV_CONNECTORS)}",
-        lambda k: k.connector in engine_args.KV_CONNECTORS, ".connector",
+        # The CRD lists the connectors registered when it is generated; Python reads the registry now.
+        "kv.connector", "KVTransferSpec", f"self.connector in {cel_list(connector_choices())}",
+        f"kvTransfer.connector must be one of {', '.join(connector_choices())}",
+        lambda k: k.connector in connector_choices(), ".connector",
     ),
     Rule(
         "kv.side-channel-port", "KVTransferSpec", _cel_port("sideChannelPort", 1024),

@@ -9,15 +9,15 @@ validators share one table and one set of messages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from disagg_operator import engine_args, rules
+from disagg_operator import rules
+from disagg_operator.kv import connector_description
+from disagg_sidecar.connectors import DEFAULT as DEFAULT_CONNECTOR
 
 GROUP = "disagg.dev"
 VERSION = "v1alpha1"
@@ -140,7 +140,7 @@ class KVTransferSpec(WireModel):
     """How prefill hands KV cache to decode."""
 
     connector: Annotated[str, StringConstraints(max_length=64)] = Field(
-        engine_args.NIXL, description="NixlConnector (default), ExampleConnector (shared storage) or None."
+        DEFAULT_CONNECTOR, description=connector_description()
     )
     extra_config: KubeObject | None = Field(None, description="vLLM kv_connector_extra_config.")
     side_channel_port: int = Field(5600, description="NIXL side-channel port (one more per data-parallel rank).")
@@ -262,7 +262,7 @@ class DisaggregatedModelSpec(WireModel):
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
 
-# --- parsing with readable errors --------------------------------------------------------------
+# --- errors ----------------------------------------------------------------------------------
 
 class SpecError(ValueError):
     """A DisaggregatedModel that cannot be served; ``problems`` holds one line per problem."""
@@ -270,57 +270,3 @@ class SpecError(ValueError):
     def __init__(self, problems: list[str], subject: str = "DisaggregatedModel"):
         self.problems = problems
         super().__init__(f"invalid {subject}:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-_RULES_BY_ID = {r.id: r for r in rules.RULES}
-_FRIENDLY = {"extra_forbidden": "unknown field", "missing": "required field is missing"}
-
-
-def _problems(error: ValidationError, prefix: str) -> list[str]:
-    out = []
-    for item in error.errors():
-        where = ".".join([prefix, *(str(p) for p in item["loc"])])
-        if item["type"] == "disagg_rule":
-            for rule_id, message in zip(item["ctx"]["rules"], item["ctx"]["messages"]):
-                out.append(f"{where}{_RULES_BY_ID[rule_id].field_path or ''}: {message}")
-        else:
-            out.append(f"{where}: {_FRIENDLY.get(item['type'], item['msg'])}")
-    return out
-
-
-def parse_spec(data: Mapping[str, Any]) -> DisaggregatedModelSpec:
-    """Validate a ``spec`` mapping (camelCase) or raise SpecError with one line per problem."""
-    try:
-        return DisaggregatedModelSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(_problems(exc, "spec")) from None
-
-
-@dataclass(frozen=True)
-class Manifest:
-    name: str
-    namespace: str
-    spec: DisaggregatedModelSpec
-
-
-def parse_manifest(doc: Mapping[str, Any], default_namespace: str = "default") -> Manifest:
-    """Validate a whole DisaggregatedModel object (as read from YAML or the API)."""
-    problems = []
-    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != KIND:
-        problems.append(f"apiVersion/kind must be {API_VERSION}/{KIND}, got {doc.get('apiVersion')}/{doc.get('kind')}")
-    meta = doc.get("metadata") or {}
-    name = meta.get("name") or ""
-    for rule in rules.rules_for(rules.ROOT):
-        if not rule.check(name):
-            problems.append(f"metadata.name: {rule.message}")
-    spec = doc.get("spec")
-    if not isinstance(spec, Mapping):
-        problems.append("spec: required field is missing")
-    else:
-        try:
-            parsed = parse_spec(spec)
-        except SpecError as exc:
-            problems += exc.problems
-    if problems:
-        raise SpecError(problems, f"{KIND} {name or '<unnamed>'}")
-    return Manifest(name=name, namespace=meta.get("namespace") or default_namespace, spec=parsed)

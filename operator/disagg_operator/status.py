@@ -24,8 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_operator.objects import names
-from disagg_operator.plan import Plan, PoolPlan, Role
+from disagg_operator import names
+from disagg_operator.names import Role
+from disagg_operator.plan import Plan
+from disagg_operator.pool_plan import PoolPlan
 
 POOL_CONDITIONS: Mapping[Role, str] = {
     Role.PREFILL: "PrefillReady", Role.DECODE: "DecodeReady", Role.RENDER: "RenderReady",

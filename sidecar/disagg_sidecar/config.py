@@ -1,30 +1,29 @@
 """The sidecar's configuration file (``disagg sidecar --config FILE``): the only input it reads.
 
-The operator writes it into the model's ConfigMap (``disagg_operator.sidecar_config``) and local
-mode writes it next to the processes it starts; this model accepts that shape (version 1) and a
-few additions (endpoint lists, DNS discovery, limits, capabilities). Example::
+The one definition of that file: the operator builds a ``SidecarConfig`` for the model's
+ConfigMap and local mode one per sidecar process, and both write ``dump_config``'s mapping.
+Unknown keys are rejected (a typo must not silently fall back to a default). Example::
 
     version: 1
     served_model_name: qwen3-8b
     listen: {host: 0.0.0.0, port: 8000}
     decode:
-      url: http://127.0.0.1:8200
+      url: http://127.0.0.1:8200         # the engine in the same pod
       capabilities:                      # optional; default: derived from `engine`
         output_modes: [tokens, text, derender]
         streaming_output_modes: [tokens, text, derender]
     render:   {mode: remote, urls: [http://qwen-render.ns.svc:8200]}   # or url: ..., or mode: local
-    derender: {mode: remote, url: http://qwen-derender.ns.svc:8200}
+    derender: {mode: remote, url: http://qwen-derender.ns.svc:8200}    # mode: local: decode does it
     prefill:
       mode: remote                       # local: decode prefills itself (no prefill pool)
-      discovery: {kind: static, urls: [http://10.0.0.5:8200]}
-               # {kind: dns, host: qwen-prefill.ns.svc.cluster.local, port: 8200}
-               # {kind: endpointslices, namespace: ns, service: qwen-prefill, port_name: engine}
-               #   (in-cluster token by default; `api: {url, token_file, ca_file}` for local use)
+      discovery: {kind: endpointslices, namespace: ns, service: qwen-prefill, port_name: engine, port: 8200}
+               # {kind: static, urls: [http://10.0.0.5:8200]} | {kind: dns, host: qwen-prefill.ns.svc, port: 8200}
+               # (endpointslices: in-cluster token by default; `api: {url, token_file, ca_file}` for local use)
       selection: least-requests          # round-robin | random | least-requests
       trust_prefiller_header: true       # honour x-prefiller-host-port, only for current prefill endpoints
       failure_policy: fallback           # fallback: decode prefills locally; fail: 503
       min_prompt_tokens: 0               # shorter prompts skip the prefill leg (0: never skip)
-    kv_connector: NixlConnector          # NixlConnector | ExampleConnector
+    kv_connector: NixlConnector          # a name in disagg_sidecar.connectors.REGISTRY
     timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600}
     retries: 1
     max_body_bytes: 16777216
@@ -35,36 +34,27 @@ few additions (endpoint lists, DNS discovery, limits, capabilities). Example::
       extension: true                    # decode runs Disagg's engine extension
       prefill_tokens_only: true
       features: {generate_output_mode_derender: true, render_parse_context: true}
-
-Unknown keys are rejected: a typo must not silently fall back to a default.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
-from urllib.parse import urlsplit
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from disagg_sidecar import wire
 from disagg_sidecar.connectors import REGISTRY
+from disagg_sidecar.discovery_config import (  # noqa: F401  (re-exported: the file's sections)
+    SERVICE_ACCOUNT_DIR, Discovery, DNSDiscovery, EndpointSliceDiscovery, KubernetesAPI, StaticDiscovery,
+)
+from disagg_sidecar.discovery_config import Model as _Model
+from disagg_sidecar.discovery_config import check_url as _check_url
 
 # What a stock vLLM generate server (no engine extension) answers on /inference/v1/generate.
 STOCK_OUTPUT_MODES: tuple[wire.OutputMode, ...] = ("tokens", "text")
 ALL_OUTPUT_MODES: tuple[wire.OutputMode, ...] = ("tokens", "text", "derender")
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _check_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
-        raise ValueError(f"{url!r}: expected http(s)://host:port")
-    return url.rstrip("/")
 
 
 class Listen(_Model):
@@ -127,66 +117,6 @@ class Tier(_Model):
         return self
 
 
-class StaticDiscovery(_Model):
-    kind: Literal["static"] = "static"
-    urls: tuple[str, ...] = Field(min_length=1)
-
-    @field_validator("urls")
-    @classmethod
-    def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(_check_url(u) for u in v)
-
-
-class DNSDiscovery(_Model):
-    """A headless Service: every A/AAAA record is one prefill pod."""
-
-    kind: Literal["dns"] = "dns"
-    host: str
-    port: int = Field(ge=1, le=65535)
-    scheme: Literal["http", "https"] = "http"
-    refresh_seconds: float = Field(5.0, gt=0)
-
-
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-
-
-class KubernetesAPI(_Model):
-    """How the sidecar reaches the API server; the defaults are the pod's own (in-cluster) identity."""
-
-    url: str | None = Field(None, description="https://host:port; None: KUBERNETES_SERVICE_HOST/_PORT.")
-    token_file: str = Field(f"{SERVICE_ACCOUNT_DIR}/token",
-                            description="Bearer token, re-read for every request (projected tokens rotate).")
-    ca_file: str | None = Field(f"{SERVICE_ACCOUNT_DIR}/ca.crt",
-                                description="CA bundle of the API server; None: the system trust store.")
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, v: str | None) -> str | None:
-        return None if v is None else _check_url(v)
-
-
-class EndpointSliceDiscovery(_Model):
-    """What the operator writes: list + watch the EndpointSlices of a (headless) Service.
-
-    Endpoints are the ready endpoints' addresses with the slice port named ``port_name`` (or the
-    slice's only port; with several unnamed-matching ports, the one numbered ``port``).
-    """
-
-    kind: Literal["endpointslices"] = "endpointslices"
-    namespace: str
-    service: str
-    port: int | None = Field(None, ge=1, le=65535, description="Disambiguates when `port_name` is unset.")
-    port_name: str | None = None
-    scheme: Literal["http", "https"] = "http"
-    api: KubernetesAPI = Field(default_factory=KubernetesAPI)
-    watch_seconds: int = Field(300, ge=1, description="Server-side timeout of one watch request; then re-watch.")
-    backoff_seconds: float = Field(0.5, gt=0, description="First retry delay after an error; doubles.")
-    max_backoff_seconds: float = Field(30.0, gt=0)
-
-
-Discovery = StaticDiscovery | DNSDiscovery | EndpointSliceDiscovery
-
-
 class Prefill(_Model):
     mode: Literal["remote", "local"] = "remote"
     discovery: Discovery | None = Field(None, discriminator="kind")
@@ -241,7 +171,6 @@ class EngineFeatures(BaseModel):
 
     generate_output_mode_derender: bool = Field(
         False, description="Stock batch output_mode=derender on generate, with render's parse_context (0.33).")
-    render_hoists_kv_transfer_params: bool = False
     render_parse_context: bool = False
     derender_finish_reason: bool = Field(
         False, description="Batch /derender reports coupled's finish_reason (0.33); else the sidecar derives it.")
@@ -314,6 +243,11 @@ class SidecarConfig(_Model):
     @property
     def derender_timeout(self) -> float:
         return self.timeouts.derender_seconds or self.timeouts.render_seconds
+
+
+def dump_config(config: SidecarConfig) -> dict[str, Any]:
+    """The file's content: what the writer set (defaults stay the sidecar's), as plain JSON types."""
+    return config.model_dump(mode="json", exclude_unset=True)
 
 
 def load_config(path: str | Path) -> SidecarConfig:

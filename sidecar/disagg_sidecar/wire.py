@@ -14,6 +14,10 @@ GENERATE: Final = "/inference/v1/generate"
 ABORT: Final = "/inference/v1/abort_requests"
 CAPABILITIES: Final = "/disagg/v1/capabilities"
 
+# The engine extension's vLLM plugin name: in VLLM_PLUGINS, pyproject's `vllm.endpoint_plugins`
+# entry point, and the `extension` its capabilities report.
+ENGINE_EXTENSION: Final = "disagg"
+
 # Inbound (OpenAI) and operational paths.
 CHAT: Final = "/v1/chat/completions"
 COMPLETIONS: Final = "/v1/completions"

@@ -7,8 +7,10 @@ from typing import Any
 
 import yaml
 
-from disagg_operator.plan import Plan, PoolPlan, Role, build_plan
-from disagg_operator.spec import parse_spec
+from disagg_operator.plan import Plan, Role, build_plan
+from disagg_operator.pool_plan import PoolPlan
+from disagg_operator.manifest import parse_spec
+from disagg_sidecar.config import dump_config
 from tests.operator.cases import merged
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b.yaml"
@@ -66,3 +68,8 @@ def env(pool: PoolPlan) -> dict[str, Any]:
     return {e.name: e.value_from if e.value_from is not None else e.value for e in pool.env}
 
 
+
+
+def sidecar_file(plan: Plan) -> dict[str, Any]:
+    """The sidecar's configuration file as the operator writes it."""
+    return dump_config(plan.sidecar.config)

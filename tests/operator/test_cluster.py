@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_operator.objects import build_objects, names
+from disagg_operator import names
+from disagg_operator.manifest import parse_manifest
+from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, Role, build_plan
-from disagg_operator.spec import parse_manifest
+from disagg_sidecar.config import dump_config
 from tests.harness.cluster import Cluster
 from tests.operator.cases import EDGES, INVALID, Invalid, base, merged
 from tests.harness.operator import OperatorProcess
@@ -127,12 +129,13 @@ def test_example_gets_every_child_with_consistent_flags(cluster: Cluster, operat
     assert {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}} in vllm["env"]
 
     config = yaml.safe_load(live[("ConfigMap", "qwen3-8b-config")]["data"]["sidecar.yaml"])
-    assert config == dict(plan.sidecar.config)
+    assert config == dump_config(plan.sidecar.config)
     services = {name for kind, name in live if kind == "Service"}
     assert config["prefill"]["discovery"]["service"] in services
     for tier in ("render", "derender"):
-        host = config[tier]["url"].removeprefix("http://").split(".")[0]
-        assert host in services and config[tier]["url"].startswith(f"http://{host}.{ns}.svc:")
+        (url,) = config[tier]["urls"]
+        host = url.removeprefix("http://").split(".")[0]
+        assert host in services and url.startswith(f"http://{host}.{ns}.svc:")
 
     dm = wait_ready(cluster, operator, ns, "qwen3-8b")
     status = dm["status"]

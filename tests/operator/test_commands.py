@@ -13,7 +13,7 @@ import yaml
 from disagg_cli.main import main
 from disagg_operator.objects import build_objects
 from disagg_operator.plan import build_plan
-from disagg_operator.spec import parse_manifest
+from disagg_operator.manifest import parse_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "qwen3-8b.yaml"

@@ -12,7 +12,8 @@ import yaml
 
 from disagg_operator import rules
 from disagg_operator.crd import crd, crd_yaml
-from disagg_operator.spec import DisaggregatedModelSpec, parse_spec
+from disagg_operator.manifest import parse_spec
+from disagg_operator.spec import DisaggregatedModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKED_IN = REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml"

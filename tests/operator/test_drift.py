@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from disagg_operator.drift import covers, key_of, to_apply, to_prune
-from disagg_operator.objects import build_objects, names
+from disagg_operator import names
+from disagg_operator.objects import build_objects
 from tests.operator.cases import merged
 from tests.operator.builders import full_spec, plan_of
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from disagg_operator.objects import build_objects, names
+from disagg_operator import names
+from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan
 from tests.operator.builders import full_spec, plan_of
 from tests.operator.cases import merged

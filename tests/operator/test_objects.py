@@ -8,9 +8,14 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_operator.objects import MANAGED_KINDS, build_objects, names, object_key
+from disagg_operator import names
+from disagg_operator.drift import key_of
+from disagg_operator.kinds import MANAGED_KINDS
+from disagg_operator.kv import KV_SHARED_PATH
+from disagg_operator.objects import build_objects
 from disagg_operator.objects.deployments import SIDECAR_COMMAND
-from disagg_operator.plan import KV_SHARED_PATH, Plan, Role
+from disagg_operator.plan import Plan, Role
+from disagg_sidecar.config import SidecarConfig
 from tests.operator.cases import merged
 from tests.operator.builders import TEMPLATE, full_spec, plan_of
 
@@ -52,7 +57,7 @@ def test_object_names(plan: Plan) -> None:
         ("NetworkPolicy", "qwen3-8b-render"), ("NetworkPolicy", "qwen3-8b-derender"),
     ])
     kinds = [o["kind"] for o in build_objects(plan)]
-    assert kinds == sorted(kinds, key=[k for _, k, _ in MANAGED_KINDS].index)  # apply order
+    assert kinds == sorted(kinds, key=[k.kind for k in MANAGED_KINDS].index)  # apply order
 
 
 def test_every_object_is_labelled_namespaced_and_plain_json(plan: Plan) -> None:
@@ -151,7 +156,7 @@ def test_config_hash_annotations_come_from_the_plan(plan: Plan) -> None:
 def test_config_map_holds_sidecar_config_and_inline_template(plan: Plan) -> None:
     objs = objects_of(plan)
     data = objs[("ConfigMap", "qwen3-8b-config")]["data"]
-    assert yaml.safe_load(data["sidecar.yaml"]) == plan.sidecar.config
+    assert SidecarConfig.model_validate(yaml.safe_load(data["sidecar.yaml"])) == plan.sidecar.config
     assert data["chat-template.jinja"] == TEMPLATE
     for template in pod_templates(objs).values():  # every ConfigMap volume points at an existing key
         for volume in template["spec"]["volumes"]:
@@ -306,8 +311,8 @@ def test_disruption_budgets_select_their_pool(plan: Plan) -> None:
 
 
 def changed_objects(before: Plan, after: Plan) -> set[tuple[str, str]]:
-    a = {object_key(o): o for o in build_objects(before)}
-    b = {object_key(o): o for o in build_objects(after)}
+    a = {key_of(o): o for o in build_objects(before)}
+    b = {key_of(o): o for o in build_objects(after)}
     return {(k[1], k[3]) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
 
 
@@ -340,19 +345,20 @@ def test_pvc_models_are_mounted_read_only_in_every_pool() -> None:
 
 
 def test_every_managed_kind_can_be_applied_and_the_chart_grants_it() -> None:
-    """A kind added to MANAGED_KINDS needs its API in apply.py and the verbs in the chart's RBAC
-    (tests/chart checks the granted rules against the real API server)."""
+    """A kind in MANAGED_KINDS names a client API that has the verbs apply.py calls, and the chart's
+    RBAC grants them (tests/chart checks the granted rules against the real API server)."""
     import re
     from pathlib import Path
 
-    from disagg_operator.apply import _APIS
+    from kubernetes import client
 
     helpers = (Path(__file__).resolve().parents[2] / "charts/disagg/templates/_helpers.tpl").read_text()
     block = re.search(r'define "disagg.rbacRules" -}}\n(.*?)\n{{- end -}}', helpers, re.S)
     assert block is not None
     granted = {(g, r): set(rule["verbs"]) for rule in yaml.safe_load(block.group(1))
                for g in rule["apiGroups"] for r in rule["resources"]}
-    for api_version, kind, plural in MANAGED_KINDS:
-        assert (api_version, kind) in _APIS, kind
-        group = api_version.rpartition("/")[0]
-        assert granted.get((group, plural), set()) >= {"get", "list", "watch", "create", "patch", "delete"}, kind
+    for kind in MANAGED_KINDS:
+        for verb in ("patch", "delete"):
+            assert callable(getattr(getattr(client, kind.client), f"{verb}_{kind.method_suffix}", None)), kind
+        group = kind.api_version.rpartition("/")[0]
+        assert granted.get((group, kind.plural), set()) >= {"get", "list", "watch", "create", "patch", "delete"}, kind

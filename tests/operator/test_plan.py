@@ -6,14 +6,20 @@ import json
 
 import pytest
 
-from disagg_operator import engine_args, sidecar_config
+from disagg_operator import sidecar_config
 from disagg_operator.engine_args import Launcher
-from disagg_operator.plan import POD_IP, Role, build_plan
-from disagg_operator.spec import SpecError, parse_manifest, parse_spec
+from disagg_operator.plan import Role, build_plan
+from disagg_operator.pool_plan import POD_IP
+from disagg_operator.manifest import parse_manifest, parse_spec
+from disagg_operator.spec import SpecError
+from disagg_sidecar.config import dump_config
+from disagg_sidecar.connectors import NixlConnector
 from tests.operator.builders import (
-    PARSER_FLAGS, TEMPLATE, TOKENIZER_FLAGS, argv, env, example_doc, flags, full_spec, plan_of,
+    PARSER_FLAGS, TEMPLATE, TOKENIZER_FLAGS, argv, env, example_doc, flags, full_spec, plan_of, sidecar_file,
 )
 from tests.operator.cases import merged
+
+NIXL = NixlConnector.side_channel
 
 def test_render_derender_and_decode_share_model_template_and_parser_flags() -> None:
     plan = plan_of(full_spec())
@@ -70,8 +76,8 @@ def test_prefill_without_a_render_tier_renders_with_the_decode_template_but_neve
     assert "--tokens-only" not in prefill
     assert all(prefill.get(k) == decode.get(k) for k in TOKENIZER_FLAGS)
     assert not any(k in prefill for k in PARSER_FLAGS)
-    assert plan.sidecar.config["render"] == plan.sidecar.config["derender"] == {"mode": "local"}
-    assert plan.sidecar.config["engine"]["prefill_tokens_only"] is False
+    assert sidecar_file(plan)["render"] == sidecar_file(plan)["derender"] == {"mode": "local"}
+    assert sidecar_file(plan)["engine"]["prefill_tokens_only"] is False
 
 
 def test_nixl_kv_config_is_identical_on_prefill_and_decode() -> None:
@@ -89,11 +95,11 @@ def test_nixl_side_channel_env_and_ports(data_parallel: int) -> None:
     plan = plan_of(spec)
     for role in (Role.PREFILL, Role.DECODE):
         pool = plan.pool(role)
-        assert env(pool)[engine_args.NIXL_SIDE_CHANNEL_HOST] == POD_IP
-        assert env(pool)[engine_args.NIXL_SIDE_CHANNEL_PORT] == "5700"
+        assert env(pool)[NIXL.host_env] == POD_IP
+        assert env(pool)[NIXL.port_env] == "5700"
     assert plan.pool(Role.PREFILL).side_channel_ports == tuple(5700 + r for r in range(data_parallel))
     assert plan.pool(Role.DECODE).side_channel_ports == (5700,)
-    assert engine_args.NIXL_SIDE_CHANNEL_HOST not in env(plan.pool(Role.RENDER))
+    assert NIXL.host_env not in env(plan.pool(Role.RENDER))
 
 
 def test_example_connector_uses_shared_storage_and_no_nixl_env() -> None:
@@ -107,7 +113,7 @@ def test_example_connector_uses_shared_storage_and_no_nixl_env() -> None:
     assert plan.pool(Role.PREFILL).kv_shared_claim == plan.pool(Role.DECODE).kv_shared_claim == "kv-cache"
     assert plan.pool(Role.RENDER).kv_shared_claim is None
     assert not plan.pool(Role.PREFILL).side_channel_ports
-    assert engine_args.NIXL_SIDE_CHANNEL_HOST not in env(plan.pool(Role.PREFILL))
+    assert NIXL.host_env not in env(plan.pool(Role.PREFILL))
 
 
 def test_no_prefill_pool_means_decode_prefills_locally() -> None:
@@ -116,22 +122,22 @@ def test_no_prefill_pool_means_decode_prefills_locally() -> None:
     assert Role.PREFILL not in plan.roles and not plan.disaggregated and plan.kv_connector is None
     decode = plan.pool(Role.DECODE)
     assert "--kv-transfer-config" not in decode.vllm_args
-    assert engine_args.NIXL_SIDE_CHANNEL_HOST not in env(decode) and decode.side_channel_ports == ()
-    assert plan.sidecar.config["prefill"] == {"mode": "local"}
-    assert plan.sidecar.config["kv_connector"] is None
+    assert NIXL.host_env not in env(decode) and decode.side_channel_ports == ()
+    assert sidecar_file(plan)["prefill"] == {"mode": "local"}
+    assert sidecar_file(plan)["kv_connector"] is None
 
 
 def test_sidecar_config_names_the_services() -> None:
     plan = plan_of(full_spec())
-    config = plan.sidecar.config
+    config = sidecar_file(plan)
     assert config["listen"] == {"host": "0.0.0.0", "port": 8000}
     assert config["decode"] == {"url": "http://127.0.0.1:8200"}
-    assert config["render"] == {"mode": "remote", "url": "http://qwen3-8b-render.prod.svc:8200"}
-    assert config["derender"] == {"mode": "remote", "url": "http://qwen3-8b-derender.prod.svc:8200"}
+    assert config["render"] == {"mode": "remote", "urls": ["http://qwen3-8b-render.prod.svc:8200"]}
+    assert config["derender"] == {"mode": "remote", "urls": ["http://qwen3-8b-derender.prod.svc:8200"]}
     assert config["prefill"] == {
         "mode": "remote",
         "discovery": {"kind": "endpointslices", "namespace": "prod", "service": "qwen3-8b-prefill",
-                      "port_name": "engine", "port": 8200},
+                      "port": 8200, "port_name": "engine"},
         "selection": "least-requests", "trust_prefiller_header": False, "failure_policy": "fallback",
     }
     assert config["kv_connector"] == "NixlConnector"
@@ -143,7 +149,7 @@ def test_sidecar_config_names_the_services() -> None:
 def test_derender_shares_the_render_pool_by_default() -> None:
     plan = plan_of(example_doc()["spec"])
     assert plan.derender_shared and Role.DERENDER not in plan.roles
-    assert plan.sidecar.config["derender"]["url"] == "http://qwen3-8b-derender.prod.svc:8200"
+    assert sidecar_file(plan)["derender"]["urls"] == ["http://qwen3-8b-derender.prod.svc:8200"]
 
 
 def test_engine_extension_enables_the_disagg_plugin_on_decode_only() -> None:
@@ -192,9 +198,9 @@ def test_a_plan_is_reusable_by_local_processes() -> None:
     assert local[:3] == ["vllm", "serve", "/tmp/qwen3"] and "--revision" not in local
     assert flags(local)["--port"] == "9101" and flags(local)["--host"] == "127.0.0.1"
     assert local[-len(decode.vllm_args):] == list(decode.vllm_args)
-    config = plan.sidecar_config(sidecar_config.static_endpoints(
+    config = dump_config(plan.sidecar_config(sidecar_config.static_endpoints(
         decode_url="http://127.0.0.1:9101", render_url="http://127.0.0.1:9100", derender_url="http://127.0.0.1:9100",
-        prefill_urls=["http://127.0.0.1:9102"]), listen_port=9000)
+        prefill_urls=["http://127.0.0.1:9102"]), listen_port=9000))
     assert config["prefill"]["discovery"] == {"kind": "static", "urls": ["http://127.0.0.1:9102"]}
     assert config["listen"]["port"] == 9000 and config["decode"]["url"] == "http://127.0.0.1:9101"
     custom = build_plan(parse_spec(full_spec()), "m", "ns", chat_template_path="/tmp/t.jinja")
@@ -252,9 +258,9 @@ def test_the_issue_example_is_what_the_issue_asks_for() -> None:
                                                         ("0.33.0", True), ("1.0.0", True)])
 def test_vllm_version_decides_the_features_the_sidecar_may_use(version: str, derender_mode: bool) -> None:
     plan = plan_of(merged(full_spec(), {"engine": {"vllmVersion": version}}))
-    features = plan.sidecar.config["engine"]["features"]
+    features = sidecar_file(plan)["engine"]["features"]
     assert features["generate_output_mode_derender"] is derender_mode
-    assert features["render_hoists_kv_transfer_params"] is derender_mode
+    assert "render_hoists_kv_transfer_params" not in features  # written and never read: gone
 
 
 def test_extension_refuses_a_vllm_plugins_env_it_cannot_extend() -> None:

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from disagg_operator import rules
-from disagg_operator.spec import DisaggregatedModelSpec, SpecError, parse_manifest, parse_spec
+from disagg_operator.manifest import parse_manifest, parse_spec
+from disagg_operator.spec import DisaggregatedModelSpec, SpecError
 from tests.operator.cases import EDGES, INVALID, Invalid, base, merged
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from disagg_operator.objects import build_objects, names
+from disagg_operator import names
+from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, Role
 from disagg_operator.status import compute_status, invalid_status, status_patch
 from tests.operator.cases import merged

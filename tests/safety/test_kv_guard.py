@@ -11,7 +11,7 @@ import pytest
 from disagg_cli.local.runner import load_spec, plan_processes
 from disagg_operator import engine_args
 from disagg_operator.plan import Role, build_plan
-from disagg_sidecar.config import SidecarConfig
+from disagg_sidecar.config import SidecarConfig, dump_config
 from disagg_sidecar.connectors import REGISTRY, get_connector
 from disagg_sidecar.plan import prefill_route
 from disagg_sidecar.state import DecodeAnswers, SidecarState
@@ -72,13 +72,13 @@ def test_example_plan_roles_engine_class_and_guard():
     plan = plan_of(_example_spec(prefill=gpu, decode=gpu))
     assert _kv(plan, Role.PREFILL)["kv_role"] == "kv_producer" and _kv(plan, Role.DECODE)["kv_role"] == "kv_consumer"
     assert _kv(plan, Role.DECODE)["kv_connector_module_path"] == "disagg_engine.kv_example"
-    assert plan.sidecar.config["prefill"]["min_prompt_tokens"] == 16 + 2
+    assert plan.sidecar.config.prefill.min_prompt_tokens == 16 + 2
     # --block-size on either engine pool decides (the larger one); CPU engines default to 128.
     bigger = plan_of(_example_spec(prefill={**gpu, "extraArgs": ["--block-size", "64"]}, decode=gpu))
-    assert bigger.sidecar.config["prefill"]["min_prompt_tokens"] == 66
+    assert bigger.sidecar.config.prefill.min_prompt_tokens == 66
     cpu = _example_spec()
     cpu["pools"]["decode"].pop("resources")  # no GPU requested: a CPU engine, whatever prefill runs on
-    assert plan_of(cpu).sidecar.config["prefill"]["min_prompt_tokens"] == 130
+    assert plan_of(cpu).sidecar.config.prefill.min_prompt_tokens == 130
     # Without the extension the image may lack the disagg package: vLLM's own class.
     stock = plan_of(merged(_example_spec(), {"engine": {"extension": False}}))
     assert "kv_connector_module_path" not in _kv(stock, Role.DECODE)
@@ -88,7 +88,7 @@ def test_nixl_plan_keeps_kv_both_and_no_guard():
     plan = plan_of(full_spec())
     assert _kv(plan, Role.PREFILL)["kv_role"] == _kv(plan, Role.DECODE)["kv_role"] == "kv_both"
     assert "kv_connector_module_path" not in _kv(plan, Role.DECODE)
-    assert "min_prompt_tokens" not in plan.sidecar.config["prefill"]
+    assert "min_prompt_tokens" not in dump_config(plan.sidecar.config)["prefill"]
 
 
 def test_local_mode_runs_the_operators_roles_and_guard(tmp_path):

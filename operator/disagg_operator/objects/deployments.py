@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg_operator import engine_args
-from disagg_operator.objects import names
-from disagg_operator.plan import KV_SHARED_PATH, MODEL_MOUNT_ROOT, Plan, PoolPlan, Role
+from disagg_operator import engine_args, names
+from disagg_operator.names import Role
+from disagg_operator.plan import Plan
+from disagg_operator.pool_plan import MODEL_MOUNT_ROOT, PoolPlan
+from disagg_sidecar.discovery_config import SERVICE_ACCOUNT_DIR
 
 SIDECAR_CONFIG_DIR = "/etc/disagg"
 SIDECAR_CONFIG_FILE = "sidecar.yaml"
 SIDECAR_COMMAND = ["disagg", "sidecar", "--config", f"{SIDECAR_CONFIG_DIR}/{SIDECAR_CONFIG_FILE}"]
 CACHE_DIR = "/var/cache/disagg"  # writable scratch (emptyDir): HOME of the engines, so the HF, vLLM,
 TMP_DIR = "/tmp"  # Triton, CUDA and FlashInfer caches under ~ land on it; /tmp: torch compile, vLLM IPC
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 NON_ROOT_UID = 1000
 DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced
@@ -34,16 +35,9 @@ def _probe(path: str, port: str, period: int, failures: int, timeout: int = 3) -
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
-def _writes_kv_files(plan: Plan, pool: PoolPlan) -> bool:
-    return pool.gpu and plan.kv_connector == engine_args.EXAMPLE
-
-
 def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
-    argv = pool.argv(plan.model)
-    launcher = engine_args.launcher_argv(pool.launcher)
     ports = [{"name": names.ENGINE_PORT, "containerPort": pool.port, "protocol": "TCP"}]
-    ports += [{"name": names.nixl_port_name(rank), "containerPort": port, "protocol": "TCP"}
-              for rank, port in enumerate(pool.side_channel_ports)]
+    ports += [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in plan.side_channel_ports(pool)]
     env = [e.to_k8s() for e in pool.env]
     # The non-root user has no home directory (and the root is read-only): HOME is the cache emptyDir.
     # A user's own value wins (a container's env is keyed by name: no duplicates).
@@ -55,15 +49,15 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
                        "readOnly": True})
     if plan.model.claim:
         mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT_ROOT}/{plan.model.claim}", "readOnly": True})
-    if _writes_kv_files(plan, pool):
-        mounts.append({"name": "kv-shared", "mountPath": KV_SHARED_PATH})
+    if pool.kv_shared_path:
+        mounts.append({"name": "kv-shared", "mountPath": pool.kv_shared_path})
     if pool.gpu:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # NCCL/TP workers need more than 64Mi
     container: dict[str, Any] = {
         "name": names.VLLM_CONTAINER,
         "image": pool.image,
-        "command": launcher,
-        "args": argv[len(launcher):],
+        "command": engine_args.launcher_argv(pool.launcher),
+        "args": pool.server_args(plan.model),
         "ports": ports,
         "env": env,
         "volumeMounts": mounts,
@@ -112,7 +106,7 @@ def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": plan.model.claim, "readOnly": True}})
     if pool.kv_shared_claim:
         volumes.append({"name": "kv-shared", "persistentVolumeClaim": {"claimName": pool.kv_shared_claim}})
-    elif _writes_kv_files(plan, pool):  # the root is read-only; KV stays in the pod (no claim to share it)
+    elif pool.kv_shared_path:  # the root is read-only; KV stays in the pod (no claim to share it)
         volumes.append({"name": "kv-shared", "emptyDir": {}})
     if pool.gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg_operator.objects import names
+from disagg_operator import names
 from disagg_operator.plan import Plan
 
 

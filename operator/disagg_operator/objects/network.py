@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from disagg_operator.ingress import Ingress, ingress_plan
-from disagg_operator.objects import names
+from disagg_operator import names
 from disagg_operator.plan import Plan
 
 

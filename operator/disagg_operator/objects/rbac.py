@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg_operator.objects import names
+from disagg_operator import names
 from disagg_operator.plan import Plan
 
 SIDECAR_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg_operator.objects import names
-from disagg_operator.plan import Plan, Role
+from disagg_operator import names
+from disagg_operator.names import Role
+from disagg_operator.plan import Plan
 
 
 def _service(plan: Plan, name: str, component: str, selector_role: Role, ports: list[dict[str, Any]],
@@ -32,11 +33,8 @@ def services(plan: Plan, owner: dict[str, Any] | None = None) -> list[dict[str, 
     )]
     prefill = plan.pool(Role.PREFILL)
     if prefill is not None:
-        ports = [_engine_port(plan)] + [
-            {"name": names.nixl_port_name(rank), "port": port, "targetPort": names.nixl_port_name(rank),
-             "protocol": "TCP"}
-            for rank, port in enumerate(prefill.side_channel_ports)
-        ]
+        ports = [_engine_port(plan)] + [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                                        for name, port in plan.side_channel_ports(prefill)]
         # Headless: the sidecar picks a prefill pod itself (EndpointSlices), never a kube-proxy VIP.
         out.append(_service(plan, names.pool_service(plan.name, Role.PREFILL), Role.PREFILL, Role.PREFILL,
                             ports, owner, clusterIP="None"))

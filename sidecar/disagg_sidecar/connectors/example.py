@@ -22,13 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from disagg_sidecar.connectors.base import SideChannel
+
 
 class ExampleConnector:
     name = "ExampleConnector"
+    summary: str | None = "shared storage"
     kv_roles: Mapping[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
     runs_locally = True  # a local directory is a shared storage path
     # vLLM's ``kv_connector_module_path``: needs the disagg package in the engine image.
     engine_module: str | None = "disagg_engine.kv_example"
+    shared_path_key: str | None = "shared_storage_path"  # the engines' folder of KV files
+    side_channel: SideChannel | None = None
 
     def prefill_params(self) -> None:
         return None

@@ -1,10 +1,23 @@
-"""Names, labels and selectors of every object a DisaggregatedModel owns (one place, so they agree)."""
+"""Names, labels and selectors of every object a DisaggregatedModel owns (one place, so they agree).
+
+The bottom of the operator: it imports nothing of it, and the plan, the objects and the status
+all take pool roles, Service names and port names from here.
+"""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
-from disagg_operator.plan import Role
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    RENDER = "render"
+    DERENDER = "derender"
+
+
+ROLES: tuple[Role, ...] = (Role.PREFILL, Role.DECODE, Role.RENDER, Role.DERENDER)
 
 NAME = "app.kubernetes.io/name"
 INSTANCE = "app.kubernetes.io/instance"
@@ -24,9 +37,8 @@ CLIENT_COMPONENT = "router"
 # Container and port names (Services target ports by name).
 VLLM_CONTAINER = "vllm"
 SIDECAR_CONTAINER = "sidecar"
-ENGINE_PORT = "engine"  # every vLLM server's HTTP port
+ENGINE_PORT = "engine"  # every vLLM server's HTTP port (the sidecar's EndpointSlice discovery reads it)
 HTTP_PORT = "http"  # the sidecar's client-facing port in decode pods
-NIXL_PORT = "nixl"
 
 
 def pool_name(model: str, role: Role) -> str:
@@ -49,8 +61,13 @@ def sidecar_account(model: str) -> str:
     return f"{model}-sidecar"
 
 
-def nixl_port_name(rank: int) -> str:
-    return NIXL_PORT if rank == 0 else f"{NIXL_PORT}-{rank}"
+def side_channel_port_name(prefix: str, rank: int) -> str:
+    """A KV connector's side-channel port of one data-parallel rank (``prefix``: the connector's)."""
+    return prefix if rank == 0 else f"{prefix}-{rank}"
+
+
+def service_url(service: str, namespace: str, port: int) -> str:
+    return f"http://{service}.{namespace}.svc:{port}"
 
 
 def labels(model: str, component: str) -> dict[str, str]:

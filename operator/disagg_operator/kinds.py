@@ -1,0 +1,41 @@
+"""Every kind of object the operator may own: one table that ordering, watching and API calls read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    kind: str
+    plural: str
+    client: str  # the kubernetes client's typed API class
+    method_suffix: str  # its methods are `<verb>_<suffix>` (patch_..., delete_...)
+
+    @property
+    def resource(self) -> tuple[str, ...]:
+        """(group, version, plural), or (version, plural) for the core group, as kopf takes them."""
+        group, _, version = self.api_version.rpartition("/")
+        return (group, version, self.plural) if group else (version, self.plural)
+
+
+# In apply order: what a pod mounts or uses exists first.
+MANAGED_KINDS: tuple[Kind, ...] = (
+    Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies", "NetworkingV1Api",
+         "namespaced_network_policy"),  # before any pod it guards
+    Kind("v1", "ServiceAccount", "serviceaccounts", "CoreV1Api", "namespaced_service_account"),
+    Kind("rbac.authorization.k8s.io/v1", "Role", "roles", "RbacAuthorizationV1Api", "namespaced_role"),
+    Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings", "RbacAuthorizationV1Api",
+         "namespaced_role_binding"),
+    Kind("v1", "ConfigMap", "configmaps", "CoreV1Api", "namespaced_config_map"),
+    Kind("v1", "Service", "services", "CoreV1Api", "namespaced_service"),
+    Kind("apps/v1", "Deployment", "deployments", "AppsV1Api", "namespaced_deployment"),
+    Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers", "AutoscalingV2Api",
+         "namespaced_horizontal_pod_autoscaler"),
+    Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", "PolicyV1Api",
+         "namespaced_pod_disruption_budget"),
+)
+BY_TYPE: Mapping[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in MANAGED_KINDS}
+APPLY_ORDER: Mapping[str, int] = {k.kind: i for i, k in enumerate(MANAGED_KINDS)}
