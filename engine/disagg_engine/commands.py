@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from disagg_engine.plugin import PLUGIN_NAME
+from disagg_engine.capabilities import PLUGIN_NAME
 
 SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 USAGE = "usage: disagg engine MODEL [vllm serve flags...]"
