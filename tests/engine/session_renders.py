@@ -35,6 +35,11 @@ class Render:
             return False
 
 
+def live(renders: list[Render]) -> Render:
+    """One that runs (a reliability test kills one of them)."""
+    return next(r for r in renders if r.alive())
+
+
 @pytest.fixture(scope="session")
 def session_renders(engine_set) -> Iterator[list[Render]]:
     if attach := os.environ.get("DISAGG_ATTACH_SESSION_RENDERS"):

@@ -20,7 +20,7 @@ from disagg_engine.sessions import (
     split_lines,
     tagged,
 )
-from tests.engine.session_renders import session_renders  # noqa: F401 (fixture)
+from tests.engine.session_renders import live, session_renders  # noqa: F401 (fixture)
 from tests.sidecar.support import wait_for
 
 # -- pure pieces -------------------------------------------------------------------------------
@@ -107,21 +107,21 @@ def chunk_line(forcer) -> bytes:
     (b'{"token_ids": [1], "sampling_params": {}}\n', "needs chat_request"),
 ])
 def test_bad_session_openings_get_an_openai_error(session_renders, body: bytes, message: str):
-    resp = requests.post(session_renders[0].url + CHAT_SESSION_PATH, data=body, timeout=30)
+    resp = requests.post(live(session_renders).url + CHAT_SESSION_PATH, data=body, timeout=30)
     assert resp.status_code == 400
     assert message in resp.json()["error"]["message"]
 
 
 @pytest.mark.engine
 def test_render_reports_sessions(session_renders):
-    caps = session_renders[0].capabilities()
+    caps = live(session_renders).capabilities()
     assert caps["role"] == "render" and caps["derender_sessions"]["chat_path"] == CHAT_SESSION_PATH
     assert caps["derender_sessions"]["max_sessions"] >= 200
 
 
 @pytest.mark.engine
 def test_200_sessions_then_clients_gone_count_returns_to_zero(session_renders, forcer):
-    render = session_renders[0]
+    render = live(session_renders)
     first, chunk = open_line(render.url, forcer), chunk_line(forcer)
     assert wait_for(lambda: render.live_sessions() == 0, timeout=60)
 
