@@ -320,9 +320,9 @@ class Flows:
                         if chain is None:
                             if mode != "tokens":
                                 self.metrics.mode_fallbacks.labels(mode).inc()
-                            chain = sessions.derender_chain(self.up, stream_call, emit, lambda out: streaming.ChainedDerender(
-                                stream_call, out, coalesce=self.config.limits.coalesce, hold=stream_call.hold,
-                                on_call=on_call))
+                            chain = sessions.derender_chain(self.up, stream_call, emit, lambda out: (
+                                streaming.ChainedDerender(stream_call, out, coalesce=self.config.limits.coalesce,
+                                                          hold=stream_call.hold, on_call=on_call)))
                         chain.feed(event)
                     else:
                         await emit(event)

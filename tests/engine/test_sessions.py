@@ -52,8 +52,8 @@ def test_engine_outputs_leave_a_stop_string_to_the_detokenizer():
 
 
 def test_engine_outputs_split_per_token_with_logprobs():
-    entries = [{"token_id": t, "logprob": -1.0, "rank": 1, "top_logprobs": [{"token_id": t, "logprob": -1.0, "rank": 1}]}
-               for t in (4, 5)]
+    entries = [{"token_id": t, "logprob": -1.0, "rank": 1,
+                "top_logprobs": [{"token_id": t, "logprob": -1.0, "rank": 1}]} for t in (4, 5)]
     outs = engine_outputs("r", {"index": 0, "token_ids": [4, 5], "finish_reason": "length",
                                 "logprobs": {"content": entries}})
     assert [o.new_token_ids for o in outs] == [[4], [5]]
@@ -97,7 +97,8 @@ def open_line(render_url: str, forcer) -> bytes:
 
 def chunk_line(forcer) -> bytes:
     ids = forcer.ids("The capital", eos=False)
-    return json.dumps({"request_id": "x", "output_mode": "tokens", "choices": [{"index": 0, "token_ids": ids}]}).encode() + b"\n"
+    chunk = {"request_id": "x", "output_mode": "tokens", "choices": [{"index": 0, "token_ids": ids}]}
+    return json.dumps(chunk).encode() + b"\n"
 
 
 @pytest.mark.engine

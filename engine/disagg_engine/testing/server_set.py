@@ -41,7 +41,7 @@ MAX_MODEL_LEN = 8192
 KV_CACHE_BYTES = 128 * 1024 * 1024
 ROLES = ("render", "prefill", "decode", "coupled")
 # The render tier runs the extension too: its derender sessions (disagg_engine.sessions).
-ROLE_ENV = {"decode": {"VLLM_PLUGINS": "disagg"}, "prefill": {"VLLM_PLUGINS": "disagg"}, "render": {"VLLM_PLUGINS": "disagg"}}
+ROLE_ENV = {role: {"VLLM_PLUGINS": "disagg"} for role in ("render", "prefill", "decode")}
 
 # Offline: nothing is fetched.
 ENGINE_ENV = {**CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
