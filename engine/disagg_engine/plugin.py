@@ -1,43 +1,22 @@
 """The ``disagg`` vLLM endpoint plugin (entry point group ``vllm.endpoint_plugins``).
 
-Enabled by naming it in ``VLLM_PLUGINS`` (``disagg engine`` does that). Its routes replace vLLM's
-``POST /inference/v1/generate`` and add ``GET /disagg/v1/capabilities``; it also makes sure
-``/inference/v1/abort_requests`` exists whenever generate is served (RFC open question 4).
+Enabled by naming it in ``VLLM_PLUGINS`` (``disagg engine`` does that). On a generate server its
+routes replace vLLM's ``POST /inference/v1/generate`` and it makes sure
+``/inference/v1/abort_requests`` exists whenever generate is served (RFC open question 4). On a
+render server (``launch render``, which loads endpoint plugins too) it runs derender sessions
+(``sessions.py``). Both report ``GET /disagg/v1/capabilities`` (``capabilities.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from disagg_engine.capabilities import PLUGIN_NAME
 
-from disagg_sidecar import wire
-
-EXTENSION_VERSION = "1"
-PLUGIN_NAME = wire.ENGINE_EXTENSION
-
-
-def capabilities(serving, args) -> dict[str, Any]:
-    from disagg_engine.vllm_compat import chat_parser_configured, configured_parsers, vllm_version
-
-    tokenizer = bool(serving is not None and serving.has_tokenizer)
-    derender = tokenizer and serving.chat is not None
-    modes = ["tokens"] + (["text"] if tokenizer else []) + (["derender"] if derender else [])
-    return {
-        "extension": PLUGIN_NAME,
-        "extension_version": EXTENSION_VERSION,
-        "vllm_version": vllm_version(),
-        "output_modes": modes,
-        "streaming_output_modes": modes,
-        "derender_context_forms": ["chat_request", "parse_context"] if derender else [],
-        "tokenizer": tokenizer,
-        "parser_configured": chat_parser_configured(getattr(serving, "chat", None)),
-        **configured_parsers(args),
-        "abort_path": wire.ABORT,
-    }
+__all__ = ["PLUGIN_NAME", "DisaggEndpointPlugin", "make_plugin"]
 
 
 class DisaggEndpointPlugin:
     name = PLUGIN_NAME
-    required_tasks = ("generate",)
+    required_tasks = ("generate", "render")
 
     def attach_router(self, app) -> None:
         from disagg_engine.router import abort_route_missing, router, abort_router
@@ -47,20 +26,28 @@ class DisaggEndpointPlugin:
             app.include_router(abort_router)
 
     async def init_state(self, engine_client, state, args) -> None:
+        from disagg_engine.capabilities import generate_capabilities, render_capabilities
         from disagg_engine.serving import DisaggServingTokens
         from disagg_engine.vllm_compat import subclass_serving_tokens
 
+        state.disagg_sessions = None
+        state.disagg_serving_tokens = None
         base = getattr(state, "serving_tokens", None)
-        if engine_client is None or base is None:
-            state.disagg_serving_tokens = None  # render-only server or scale-out disabled
+        if engine_client is None and getattr(state, "online_renderer", None) is not None:
+            from disagg_engine.sessions import Sessions
+            from disagg_engine.vllm_compat import render_tier_chat
+
+            state.disagg_sessions = Sessions(render_tier_chat(state, args))
+            state.disagg_capabilities = render_capabilities(state.disagg_sessions, args)
             return
+        if engine_client is None or base is None:
+            return  # scale-out disabled
         serving = subclass_serving_tokens(base, DisaggServingTokens)
         serving.chat = getattr(state, "openai_serving_chat", None)
         serving.live_derender_requests = 0
         state.disagg_serving_tokens = serving
-        state.disagg_capabilities = capabilities(serving, args)
+        state.disagg_capabilities = generate_capabilities(serving, args)
 
 
 def make_plugin() -> DisaggEndpointPlugin:
     return DisaggEndpointPlugin()
-

@@ -10,8 +10,9 @@ from http import HTTPStatus
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from disagg_engine.capabilities import ABORT_PATH
 from disagg_engine.protocol import DisaggGenerateRequest
-from disagg_sidecar import wire
+from disagg_engine.sessions import CHAT_SESSION_PATH, DuplexResponse, SessionError
 from disagg_engine.vllm_compat import (
     ErrorResponse,
     GenerateResponseBase,
@@ -19,10 +20,10 @@ from disagg_engine.vllm_compat import (
     validate_json_request,
     with_cancellation,
 )
+from disagg_sidecar import wire
 
 router = APIRouter()
 abort_router = APIRouter()
-ABORT_PATH = wire.ABORT
 # Aborts run after the response; the loop keeps only weak references to tasks.
 _background: set[asyncio.Task] = set()
 
@@ -53,11 +54,26 @@ async def generate(request: DisaggGenerateRequest, raw_request: Request):
 
 @router.get(wire.CAPABILITIES)
 async def get_capabilities(raw_request: Request):
-    caps = getattr(raw_request.app.state, "disagg_capabilities", None)
+    state = raw_request.app.state
+    caps = getattr(state, "disagg_capabilities", None)
     if caps is None:
         return _error(HTTPStatus.NOT_FOUND, "the disagg engine extension has no generate engine here")
-    serving = raw_request.app.state.disagg_serving_tokens
-    return JSONResponse({**caps, "live_derender_requests": serving.live_derender_requests})
+    if getattr(state, "disagg_sessions", None) is not None:
+        return JSONResponse({**caps, "live_derender_sessions": state.disagg_sessions.live})
+    return JSONResponse({**caps, "live_derender_requests": state.disagg_serving_tokens.live_derender_requests})
+
+
+@router.post(CHAT_SESSION_PATH)
+async def derender_session(raw_request: Request):
+    sessions = getattr(raw_request.app.state, "disagg_sessions", None)
+    if sessions is None:
+        return _error(HTTPStatus.NOT_FOUND, "derender sessions run on a render server (launch render) with the "
+                                            "disagg extension")
+    try:
+        request, lines = await sessions.open(raw_request.stream())
+    except SessionError as exc:
+        return _error(HTTPStatus(exc.status), str(exc))
+    return DuplexResponse(sessions.stream(request, lines), media_type="text/event-stream")
 
 
 async def abort_requests(raw_request: Request):
@@ -65,6 +81,8 @@ async def abort_requests(raw_request: Request):
         body = await raw_request.json()
     except json.JSONDecodeError as exc:
         return _error(HTTPStatus.BAD_REQUEST, f"JSON decode error: {exc}")
+    if raw_request.app.state.engine_client is None:
+        return _error(HTTPStatus.NOT_FOUND, "this server runs no engine requests")
     ids = body.get("request_ids") if isinstance(body, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         return _error(HTTPStatus.BAD_REQUEST, "body must be {\"request_ids\": [str, ...]}")

@@ -136,3 +136,61 @@ def _seed_history_tool_calls(parser, count: int) -> None:
 
 def empty_chat_request() -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}]})
+
+
+# --- Derender sessions on the render tier (sessions.py) -----------------------------------------
+# The render launcher has no engine client; OpenAIServingChat reads only these of one. The
+# engine's own output path (OutputProcessor: incremental detokenizer, stop strings, logprobs,
+# n > 1 fan-out) turns the decode engine's token chunks into RequestOutputs, as AsyncLLM does.
+from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata  # noqa: E402,F401
+from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402,F401
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason  # noqa: E402,F401
+from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector  # noqa: E402,F401
+from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402,F401
+from vllm.v1.outputs import LogprobsLists  # noqa: E402,F401
+
+
+class _RenderEngine:
+    """What ``OpenAIServingChat`` reads of an engine client, on the engine-less render server."""
+
+    errored = False
+    input_processor = None
+
+    def __init__(self, vllm_config, renderer):
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer
+
+
+def render_tier_chat(state, args) -> OpenAIServingChat:
+    """vLLM's chat serving object on a ``launch render`` server, configured from the same flags
+    as the API server's (``vllm.entrypoints.generate.api_router``)."""
+    from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
+    from vllm.renderers.chat_utils import load_chat_template
+
+    vllm_config = state.vllm_config
+    return OpenAIServingChat(
+        _RenderEngine(vllm_config, state.online_renderer.renderer), state.openai_serving_models,
+        args.response_role, online_renderer=state.online_renderer, request_logger=None,
+        chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format,
+        default_chat_template_kwargs=resolve_default_chat_template_kwargs(args),
+        trust_request_chat_template=args.trust_request_chat_template,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_auto_tools=args.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        tool_parser=args.tool_call_parser, tool_strict_level=args.tool_strict_level,
+        reasoning_parser=args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser or "",
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+    )
+
+
+def engine_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineCoreRequest:
+    """The ``EngineCoreRequest`` the decode engine ran, as far as its output processing reads it."""
+    import time
+
+    return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, mm_features=None,
+                             sampling_params=params, pooling_params=None, arrival_time=time.time(),
+                             lora_request=None, cache_salt=None, data_parallel_rank=None,
+                             external_req_id=request_id)

@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg_sidecar import chained, derender_fixes, legs, plan, responses, streaming, wire
+from disagg_sidecar import chained, derender_fixes, legs, plan, responses, sessions, streaming, wire
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.connectors import KVConnector
 from disagg_sidecar.errors import SidecarError, error_body
@@ -304,7 +304,7 @@ class Flows:
             if merged > 1:
                 self.metrics.coalesced_chunks.inc(merged - 1)
 
-        chain: streaming.ChainedDerender | None = None
+        chain: streaming.ChainedDerender | sessions.SessionDerender | None = None
         parser = streaming.SSEParser()
         error: dict[str, Any] | None = None
         try:
@@ -320,8 +320,9 @@ class Flows:
                         if chain is None:
                             if mode != "tokens":
                                 self.metrics.mode_fallbacks.labels(mode).inc()
-                            chain = streaming.ChainedDerender(stream_call, emit, coalesce=self.config.limits.coalesce,
-                                                              hold=stream_call.hold, on_call=on_call)
+                            chain = sessions.derender_chain(self.up, stream_call, emit, lambda out: (
+                                streaming.ChainedDerender(stream_call, out, coalesce=self.config.limits.coalesce,
+                                                          hold=stream_call.hold, on_call=on_call)))
                         chain.feed(event)
                     else:
                         await emit(event)

@@ -137,7 +137,7 @@ class DerenderLeg:
     def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None):
         self.chain = chain
         self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
-        client_body = parser_context(client_body, chain)
+        client_body = self.context = parser_context(client_body, chain)
         n = len(prompt_token_ids)
         ids = _json(prompt_token_ids)
         model_part = b'"model":' + _json(model) + b"," if model else b""

@@ -143,6 +143,12 @@ class ChainedDerender:
         lane.pending.append(chunk)
         lane.wake.set()
 
+    def resume(self, index: int, state: Any) -> None:
+        """Continue choice ``index`` from ``state`` (the ``stream_state`` of what came before)."""
+        lane = self._lanes[index] = _Lane()
+        lane.state = state
+        lane.task = asyncio.create_task(self._run(lane))
+
     async def finish(self) -> None:
         """Wait for every lane, then derender the usage chunk(s); raises a lane's failure."""
         for lane in self._lanes.values():

@@ -1,6 +1,7 @@
 """A set of real vLLM CPU servers on the tiny test model: the four roles the tests drive.
 
-- ``render``:  ``launch render`` (chat template, tokenization, derender) with the parsers
+- ``render``:  ``launch render`` (chat template, tokenization, derender) with the parsers and the
+  engine extension (derender sessions)
 - ``prefill``: ``serve --tokens-only`` with the engine extension, writing KV through ``ExampleConnector``
 - ``decode``:  ``serve --enable-scale-out`` with tokenizer and parsers and Disagg's engine
   extension (``VLLM_PLUGINS=disagg``), reading that KV
@@ -40,7 +41,8 @@ MAX_MODEL_LEN = 8192
 # (examples/local-tiny.yaml sizes its engines the same way).
 KV_CACHE_BYTES = 128 * 1024 * 1024
 ROLES = ("render", "prefill", "decode", "coupled")
-ROLE_ENV = {"decode": {"VLLM_PLUGINS": PLUGIN_NAME}, "prefill": {"VLLM_PLUGINS": PLUGIN_NAME}}
+# The render tier runs the extension too: its derender sessions (disagg_engine.sessions).
+ROLE_ENV = {role: {"VLLM_PLUGINS": PLUGIN_NAME} for role in ("render", "prefill", "decode")}
 
 # Offline: nothing is fetched.
 ENGINE_ENV = {**CPU_ENGINE_ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -1,0 +1,240 @@
+"""The chained stream through a derender session (issue 20; the engine side and its wire shape
+are ``disagg_engine.sessions``).
+
+A render endpoint that reports ``derender_sessions`` at ``GET /disagg/v1/capabilities`` keeps a
+chat stream's parser state for the stream's life: the sidecar opens one session per streamed
+prompt on one endpoint (one HTTP exchange, so it stays pinned), writes each generate chunk into
+its body as it arrives and relays the inline-derender events it answers with. Per call nothing
+is replayed, so no coalescing is needed to bound the cost; chunks that arrive while the body's
+writer waits on the connection are still merged (back-pressure only).
+
+If the session cannot be opened (no endpoint offers sessions, the cap is reached) the stream
+takes today's stateless path (``streaming.ChainedDerender``) from its start. If it fails
+mid-stream, each unfinished choice continues statelessly on another endpoint: one stateless call
+replays the lines the session had answered (``fed``; its output was delivered already and is
+dropped) to get their ``stream_state``, then the rest follows as usual, so the client's output
+stays exact. A choice whose role chunk was delivered does not get a second one. (Not covered:
+a request with stop strings whose session dies after part of a choice was delivered: the
+stateless path cuts a stop string only over a whole choice, ``chained``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+
+from disagg_sidecar import chained, streaming, wire
+from disagg_sidecar.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+CAPABILITY_TTL_SECONDS = 30.0  # how long an endpoint's answer (sessions or not) is trusted
+_cache: weakref.WeakKeyDictionary[Upstream, dict[str, tuple[float, str | None]]] = weakref.WeakKeyDictionary()
+
+
+class SessionFailed(Exception):
+    """The session cannot go on (refused, an error event, cut short)."""
+
+
+def session_path(capabilities: Any) -> str | None:
+    """The chat session path a render endpoint's capabilities offer, if any."""
+    if not isinstance(capabilities, dict):
+        return None
+    sessions = capabilities.get("derender_sessions")
+    path = sessions.get("chat_path") if isinstance(sessions, dict) else None
+    return path if isinstance(path, str) and path.startswith("/") else None
+
+
+def open_line(stream_call: chained.ChatStream, request_id: str) -> bytes:
+    """The session's first line: the decode leg's request with the parser context."""
+    context = json.loads(stream_call.leg.context)
+    opts = stream_call.opts
+    body = {"request_id": request_id, "token_ids": opts.prompt_token_ids, "sampling_params": dict(opts.sampling),
+            "stream": True, "stream_options": context.get("stream_options"), "output_mode": "derender",
+            "chat_request": context}
+    return streaming.dumps(body) + b"\n"
+
+
+def without_role(chunk: dict[str, Any], started: set[int]) -> dict[str, Any]:
+    """A stateless chunk for choices whose role chunk the client already got: no second role."""
+    for c in chunk.get("choices") or []:
+        if c.get("index", 0) in started and isinstance(c.get("delta"), dict) and "role" in c["delta"]:
+            c["delta"] = {k: v for k, v in c["delta"].items() if k != "role"}
+    return chunk
+
+
+async def endpoint_with_sessions(up: Upstream) -> tuple[str, str] | None:
+    """A derender endpoint that runs sessions and its session path (asked once per TTL)."""
+    known = _cache.setdefault(up, {})
+    now = time.monotonic()
+    tried: list[str] = []
+    while (url := up.derender.pick(exclude=tried)) is not None:
+        tried.append(url)
+        at, path = known.get(url, (-1e9, None))
+        if now - at > CAPABILITY_TTL_SECONDS:
+            try:
+                status, body = await up.get_json(url, wire.CAPABILITIES)
+                path = session_path(json.loads(body)) if status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                path = None
+            known[url] = (now, path)
+        if path:
+            return url, path
+    return None
+
+
+class SessionDerender:
+    """``streaming.ChainedDerender``'s interface (feed / finish / cancel) over one session."""
+
+    def __init__(self, up: Upstream, stream_call: chained.ChatStream, emit: streaming.Emit, stateless: Stateless):
+        self.up, self.stream_call, self._emit, self._stateless = up, stream_call, emit, stateless
+        self.request_id = ""
+        self._pending: list[streaming.Chunk] = []
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._lines: dict[int, list[streaming.Chunk]] = {}  # per choice: the lines sent, in order
+        self._fed: dict[int, int] = {}  # per choice: lines whose output the client got
+        self._started: set[int] = set()  # choices the client got a chunk of
+        self._finished: set[int] = set()
+        self._fallback: streaming.ChainedDerender | None = None
+        self._task = asyncio.create_task(self._run())
+
+    # -- the interface -------------------------------------------------------------------------
+
+    def feed(self, chunk: streaming.Chunk) -> None:
+        if self._fallback is not None:
+            self._fallback.feed(chunk)
+            return
+        self.request_id = self.request_id or str(chunk.get("request_id") or "")
+        if streaming.choice_index(chunk) is None:
+            return  # usage: the session counts it itself
+        self._pending.append(chunk)
+        self._wake.set()
+
+    async def finish(self) -> None:
+        self._closed = True
+        self._wake.set()
+        await self._task
+        if self._fallback is not None:
+            await self._fallback.finish()
+
+    async def cancel(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        if self._fallback is not None:
+            await self._fallback.cancel()
+
+    # -- the session -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        picked = await endpoint_with_sessions(self.up)
+        if picked is None:
+            return await self._resume()  # nothing delivered: the stateless path from the start
+        url, path = picked
+        try:
+            with self.up.derender.lease(url):
+                await self._session(url + path)
+        except (SessionFailed, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            self.up.derender.mark_failed(url)
+            self.up.metrics.leg_errors.labels("derender", "session").inc()
+            log.warning("derender session on %s failed, continuing statelessly: %s", url, exc)
+            await self._resume()
+
+    async def _session(self, url: str) -> None:
+        timeout = aiohttp.ClientTimeout(sock_connect=self.up.config.timeouts.connect_seconds,
+                                        sock_read=self.up.config.timeouts.decode_seconds)
+        headers = {"Content-Type": "application/x-ndjson", wire.REQUEST_ID: self.request_id}
+        async with self.up.session.post(url, data=self._body(), headers=headers, timeout=timeout) as resp:
+            if resp.status != 200:
+                raise SessionFailed(f"status {resp.status}: {(await resp.read())[:300]!r}")
+            await self._relay(resp.content)
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        yield open_line(self.stream_call, self.request_id)
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            for line in self._merged(batch):
+                yield line
+            if self._closed and not self._pending:
+                return
+
+    def _merged(self, batch: list[streaming.Chunk]) -> list[bytes]:
+        """Runs of one choice's chunks as one line each (chunks that queued behind a slow write).
+        Recorded before they are written: a line not answered yet is resent if the session fails."""
+        out: list[bytes] = []
+        run: list[streaming.Chunk] = []
+        for chunk in [*batch, None]:
+            if run and (chunk is None or streaming.choice_index(chunk) != streaming.choice_index(run[0])):
+                merged = streaming.merge_chunks(run)
+                self._lines.setdefault(streaming.choice_index(merged) or 0, []).append(merged)
+                out.append(streaming.dumps(merged) + b"\n")
+                run = []
+            if chunk is not None:
+                run.append(chunk)
+        return out
+
+    async def _relay(self, content: aiohttp.StreamReader) -> None:
+        parser = streaming.SSEParser()
+        async for data in content.iter_any():
+            for payload in parser.feed(data):
+                if payload.strip() == wire.SSE_DONE:
+                    return
+                event = json.loads(payload)
+                if "error" in event:
+                    raise SessionFailed(f"session error event: {str(event['error'])[:300]}")
+                fed = event.pop("fed", None)
+                for c in event.get("choices") or []:
+                    index = c.get("index", 0)
+                    self._started.add(index)
+                    if isinstance(fed, int):
+                        self._fed[index] = fed
+                    if c.get("finish_reason") is not None:
+                        self._finished.add(index)
+                await self._emit(event)
+        raise SessionFailed("the session's answer ended without [DONE]")
+
+    # -- continuing without it -------------------------------------------------------------------
+
+    async def _resume(self) -> None:
+        """Each unfinished choice statelessly from the last line the client got the output of."""
+        started = set(self._started)
+
+        async def emit(chunk: streaming.Chunk) -> None:
+            await self._emit(without_role(chunk, started))
+
+        chain = self._stateless(emit)
+        backlog: list[streaming.Chunk] = []
+        for index, lines in sorted(self._lines.items()):
+            if index in self._finished:
+                continue
+            fed = self._fed.get(index, 0)
+            if fed:  # its output was delivered: only the state is kept
+                _, state = await self.stream_call(streaming.merge_chunks(lines[:fed]), None)
+                chain.resume(index, state)
+            backlog.extend(lines[fed:])
+        # Chunks that arrived meanwhile are in `_pending` until the chain takes over.
+        backlog.extend(c for c in self._pending if streaming.choice_index(c) not in self._finished)
+        self._pending = []
+        self._fallback = chain
+        for chunk in backlog:
+            chain.feed(chunk)
+
+
+Stateless = Callable[[streaming.Emit], streaming.ChainedDerender]
+
+
+def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: streaming.Emit,
+                   stateless: Stateless) -> Any:
+    """The chained stream's derender: a session for a chat stream, else the stateless one."""
+    if isinstance(stream_call, chained.ChatStream):
+        return SessionDerender(up, stream_call, emit, stateless)
+    return stateless(emit)

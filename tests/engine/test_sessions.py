@@ -1,0 +1,156 @@
+"""Derender sessions on the render tier (engine/disagg_engine/sessions.py): the pure pieces, and
+a real ``launch render`` with the extension (``session_renders``): bad input, the session count
+after 200 concurrent sessions whose clients all went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+import requests
+
+from disagg_engine.sessions import (
+    CHAT_SESSION_PATH,
+    Sessions,
+    engine_outputs,
+    logprob_row,
+    split_lines,
+    tagged,
+)
+from tests.engine.session_renders import live, session_renders  # noqa: F401 (fixture)
+from tests.sidecar.support import wait_for
+
+# -- pure pieces -------------------------------------------------------------------------------
+
+
+def test_split_lines_keeps_the_incomplete_rest():
+    lines, rest = split_lines(b'{"a":1}\n{"b"', b':2}\n\n{"c"')
+    assert lines == [b'{"a":1}', b'{"b":2}'] and rest == b'{"c"'
+
+
+def test_logprob_row_rebuilds_the_engine_row():
+    # sampled token ranked 2: the engine's row is [sampled, rank 1, rank 2 (= sampled), rank 3]
+    entry = {"token_id": 7, "logprob": -0.5, "rank": 2,
+             "top_logprobs": [{"token_id": 7, "logprob": -0.5, "rank": 2}, {"token_id": 3, "logprob": -0.1, "rank": 1},
+                              {"token_id": 9, "logprob": -2.0, "rank": 3}]}
+    assert logprob_row(entry) == ([7, 3, 7, 9], [-0.5, -0.1, -0.5, -2.0], 2)
+    # a gap (the generate server cut the list) ends the row there
+    entry["top_logprobs"] = entry["top_logprobs"][:1] + entry["top_logprobs"][2:]
+    assert logprob_row(entry) == ([7], [-0.5], 2)
+
+
+def test_engine_outputs_leave_a_stop_string_to_the_detokenizer():
+    (out,) = engine_outputs("r", {"index": 0, "token_ids": [1, 2], "finish_reason": "stop", "stop_reason": "Par"})
+    assert out.new_token_ids == [1, 2] and out.finish_reason is None and out.stop_reason is None
+    (out,) = engine_outputs("r", {"index": 0, "token_ids": [5], "finish_reason": "stop", "stop_reason": 5})
+    assert str(out.finish_reason) == "stop" and out.stop_reason == 5
+    (out,) = engine_outputs("r", {"index": 0, "token_ids": [5], "finish_reason": "length"})
+    assert str(out.finish_reason) == "length"
+
+
+def test_engine_outputs_split_per_token_with_logprobs():
+    entries = [{"token_id": t, "logprob": -1.0, "rank": 1,
+                "top_logprobs": [{"token_id": t, "logprob": -1.0, "rank": 1}]} for t in (4, 5)]
+    outs = engine_outputs("r", {"index": 0, "token_ids": [4, 5], "finish_reason": "length",
+                                "logprobs": {"content": entries}})
+    assert [o.new_token_ids for o in outs] == [[4], [5]]
+    assert [o.finish_reason for o in outs][0] is None and str(outs[1].finish_reason) == "length"
+    assert outs[0].new_logprobs.logprob_token_ids.tolist() == [[4, 4]]
+
+
+def test_tagged_adds_the_lines_its_choice_consumed():
+    event = tagged('{"request_id":"x","output_mode":"derender","choices":[{"index":1,"delta":{}}]}', [3, 5])
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert json.loads(event[6:])["fed"] == 5
+    usage = tagged('{"request_id":"x","choices":[],"usage":{"prompt_tokens":1}}', [3])
+    assert "fed" not in json.loads(usage[6:])
+
+
+def test_idle_session_ends_with_an_error():
+    sessions = Sessions(SimpleNamespace(renderer=SimpleNamespace(tokenizer=None)), idle_seconds=0.05)
+
+    async def body():
+        yield b'{"a":1}\n'
+        await asyncio.Event().wait()  # a client that stops sending
+
+    async def run():
+        lines = sessions._lines(body())
+        assert await anext(lines) == b'{"a":1}'
+        with pytest.raises(TimeoutError, match="idle"):
+            await anext(lines)
+
+    asyncio.run(run())
+
+
+# -- a real render server ----------------------------------------------------------------------
+
+
+def open_line(render_url: str, forcer) -> bytes:
+    """The decode leg of a chat stream (render's answer) with the client's request."""
+    chat = forcer.chat_body("plain", stream=True)
+    gen = requests.post(render_url + "/v1/chat/completions/render", json=chat, timeout=60).json()
+    return json.dumps({**gen, "stream": True, "output_mode": "derender", "chat_request": chat}).encode() + b"\n"
+
+
+def chunk_line(forcer) -> bytes:
+    ids = forcer.ids("The capital", eos=False)
+    chunk = {"request_id": "x", "output_mode": "tokens", "choices": [{"index": 0, "token_ids": ids}]}
+    return json.dumps(chunk).encode() + b"\n"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("body, message", [
+    (b"", "empty session body"),
+    (b'{"token_ids": []}\n', "invalid session request"),
+    (b'{"token_ids": [1], "sampling_params": {}}\n', "needs chat_request"),
+])
+def test_bad_session_openings_get_an_openai_error(session_renders, body: bytes, message: str):
+    resp = requests.post(live(session_renders).url + CHAT_SESSION_PATH, data=body, timeout=30)
+    assert resp.status_code == 400
+    assert message in resp.json()["error"]["message"]
+
+
+@pytest.mark.engine
+def test_render_reports_sessions(session_renders):
+    caps = live(session_renders).capabilities()
+    assert caps["role"] == "render" and caps["derender_sessions"]["chat_path"] == CHAT_SESSION_PATH
+    assert caps["derender_sessions"]["max_sessions"] >= 200
+
+
+@pytest.mark.engine
+def test_200_sessions_then_clients_gone_count_returns_to_zero(session_renders, forcer):
+    render = live(session_renders)
+    first, chunk = open_line(render.url, forcer), chunk_line(forcer)
+    assert wait_for(lambda: render.live_sessions() == 0, timeout=60)
+
+    async def client(http: aiohttp.ClientSession, ready: asyncio.Queue) -> None:
+        async def body():
+            yield first
+            yield chunk
+            await asyncio.Event().wait()  # the client never finishes: it goes away instead
+
+        async with http.post(render.url + CHAT_SESSION_PATH, data=body()) as resp:
+            assert resp.status == 200
+            event = await resp.content.readuntil(b"\n\n")
+            assert b'"delta"' in event
+            await ready.put(1)
+            await asyncio.Event().wait()
+
+    async def run() -> int:
+        ready: asyncio.Queue = asyncio.Queue()
+        http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        tasks = [asyncio.create_task(client(http, ready)) for _ in range(200)]
+        for _ in range(200):
+            await asyncio.wait_for(ready.get(), 120)
+        live = await asyncio.to_thread(render.live_sessions)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await http.close()
+        return live
+
+    assert asyncio.run(run()) == 200
+    assert wait_for(lambda: render.live_sessions() == 0, timeout=60)

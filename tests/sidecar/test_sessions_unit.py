@@ -1,0 +1,41 @@
+"""The sidecar's session client (disagg_sidecar/sessions.py): its pure pieces, no servers."""
+
+from __future__ import annotations
+
+import json
+
+from disagg_sidecar import chained, legs
+from disagg_sidecar.sessions import open_line, session_path, without_role
+
+
+def test_session_path_only_from_a_render_that_offers_it():
+    assert session_path({"derender_sessions": {"chat_path": "/disagg/v1/derender/sessions/chat"}}) \
+        == "/disagg/v1/derender/sessions/chat"
+    for caps in (None, "absent", {}, {"derender_sessions": None}, {"derender_sessions": {"chat_path": "http://x/"}},
+                 {"output_modes": ["tokens"]}):
+        assert session_path(caps) is None
+
+
+def test_open_line_is_the_decode_leg_with_the_parser_context():
+    client = {"model": "m", "messages": [{"role": "user", "content": "secret question"}], "stop": ["x"],
+              "stream": True, "stream_options": {"include_usage": True}, "tools": [{"type": "function"}]}
+    gen = {"token_ids": [1, 2, 3], "sampling_params": {"stop": ["x"], "n": 2}}
+    leg = legs.DerenderLeg("chat", json.dumps(client).encode(), gen["token_ids"])
+    call = chained.ChatStream(leg, chained.Options.of(client, gen), tier=None, logprobs=False)
+    line = open_line(call, "req-1")
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    body = json.loads(line)
+    assert body["request_id"] == "req-1" and body["token_ids"] == [1, 2, 3] and body["stream"] is True
+    assert body["sampling_params"] == gen["sampling_params"]  # the stop strings the engine applied
+    assert body["stream_options"] == {"include_usage": True} and body["output_mode"] == "derender"
+    # the parser context: no stop (the detokenizer applies the engine's), no conversation text
+    assert "stop" not in body["chat_request"] and "secret" not in json.dumps(body["chat_request"])
+    assert body["chat_request"]["tools"] == client["tools"]
+
+
+def test_without_role_only_for_choices_the_client_already_started():
+    chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}},
+                         {"index": 1, "delta": {"role": "assistant", "content": "b"}}]}
+    out = without_role(chunk, {1})
+    assert out["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert out["choices"][1]["delta"] == {"content": "b"}
