@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from disagg_sidecar import handlers, wire
+from disagg_sidecar import capabilities, handlers, wire
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import get_connector
 from disagg_sidecar.discovery import make_source
@@ -123,10 +123,10 @@ async def _probe(app: web.Application) -> None:
             pool.mark_ok(url) if ok else pool.mark_failed(url)  # selection avoids failed ones
         return any(results)
 
-    (decode_ok, refused), render_ok, derender_ok, prefill_ok = await asyncio.gather(
-        _decode_health(up), any_healthy(up.render), any_healthy(up.derender), any_healthy(up.prefill))
+    (decode_ok, refused), *pools_ok = await asyncio.gather(
+        _decode_health(up), *(any_healthy(pool) for pool in up.pools.values()))
     state.record_probe("decode", decode_ok, refused=refused)
-    for tier, ok in (("render", render_ok), ("derender", derender_ok), ("prefill", prefill_ok)):
+    for tier, ok in zip(up.pools, pools_ok):
         state.record_probe(tier, ok)
     if decode_ok and state.needs_serving_check(_decode_answers(app[METRICS])):
         serving = await _decode_serves(up, state.model_name())
@@ -135,9 +135,7 @@ async def _probe(app: web.Application) -> None:
                 "decode engine %s", "serves again" if serving else "answers 5xx while its /health says 200: not ready")
         state.decode_serving = serving
     if decode_ok and state.config.decode.probe_capabilities:
-        served = await up.served_capabilities()
-        if isinstance(served, dict):
-            served.pop("live_derender_requests", None)  # a gauge, not a capability
+        served = capabilities.served(await up.served_capabilities())
         if served is not None and served != state.served_capabilities:
             log.info("decode engine capabilities: %s", served)
             state.served_capabilities = served
