@@ -17,6 +17,7 @@ from aiohttp import web
 from disagg_sidecar import capabilities, handlers, wire
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import get_connector
+from disagg_sidecar.decoding import Decoder
 from disagg_sidecar.discovery import make_source
 from disagg_sidecar.endpoints import EndpointPool
 from disagg_sidecar.errors import SidecarError, error_bytes
@@ -24,6 +25,7 @@ from disagg_sidecar.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
+from disagg_sidecar.poollegs import PoolLegs
 from disagg_sidecar.state import DecodeAnswers, SidecarState
 from disagg_sidecar.upstream import PROBE_TIMEOUT, Upstream
 
@@ -177,10 +179,9 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     )
     app[UPSTREAM] = upstream
     state = app[STATE]
-    app[FLOWS] = Flows(config, upstream, app[METRICS],
-                       get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector
-                       else None,
-                       capabilities=state.capabilities, model_name=state.model_name)
+    kv = get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector else None
+    app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv),
+                       Decoder(config, upstream, app[METRICS]), state.capabilities, state.model_name)
     await _probe(app)
     prober = asyncio.create_task(_probe_forever(app))
     try:

@@ -32,11 +32,19 @@ class SSEWriter:
     def started(self) -> bool:
         return self.response.prepared
 
+    async def start(self) -> None:
+        """Send the headers before the first event."""
+        async with self._lock:
+            await self._start()
+
     async def write(self, data: bytes) -> None:
         async with self._lock:
-            if not self.response.prepared:
-                await self.response.prepare(self.request)
+            await self._start()
             await self.response.write(data)
+
+    async def _start(self) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
 
     async def send(self, obj: Mapping[str, Any]) -> None:
         await self.write(streaming.sse_json(obj))

@@ -1,8 +1,11 @@
-"""The decode leg of an OpenAI request, batch or streamed, written once: the engine in this pod
-is asked for the planned output mode; one that refuses it (400) is asked again for tokens when
-the plan can chain the answer, and an answer in another mode than asked (an engine that ignores
-the field) is chained as well. An error before the first byte is an OpenAI-shaped 4xx (the
-engine's own) or a 502/503; in the stream, an error event after it is raised for ``clientstream``.
+"""The decode leg, to the engine in this pod.
+
+An OpenAI request's, batch or streamed, goes through one call (``Decoder.call``): the engine is
+asked for the planned output mode; one that refuses it (400) is asked again for tokens when the
+plan can chain the answer, and an answer in another mode than asked (an engine that ignores the
+field) is chained as well. An error before the first byte is an OpenAI-shaped 4xx (the engine's
+own) or a 502/503; in the stream, an error event after it is raised for ``clientstream``.
+A ``GenerateRequest`` client's is passed through in the mode it asked for.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
+from aiohttp import web
 
 from disagg_sidecar import chained, legs, plan, streaming, wire
 from disagg_sidecar.clientstream import SSEWriter
@@ -84,6 +88,32 @@ class Decoder:
         async def read(resp: aiohttp.ClientResponse, mode: wire.OutputMode) -> Any:
             return await self._relay(resp, mode, stream_call, writer, shaper)
         return (await self.call(gen, kv, decode_plan, ctx, chat_raw, read))[1]
+
+    async def passthrough(self, request: web.Request, body: Mapping[str, Any], kv: dict[str, Any] | None,
+                          ctx: Context) -> web.StreamResponse:
+        """A ``GenerateRequest`` client's decode leg, in the mode it asked for, its answer passed
+        through (the bytes as they come when streamed)."""
+        self.metrics.output_modes.labels(plan.answered_mode(body)).inc()
+        try:
+            async with self.up.decode(streaming.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
+                                      ctx.inflight) as resp:
+                if resp.status != 200 or not body.get("stream"):
+                    raw = await resp.read()
+                    if resp.status >= 500:
+                        raise self.error(resp.status, raw)
+                    return web.Response(body=raw, status=resp.status, content_type="application/json",
+                                        headers=ctx.response_headers())
+                writer = SSEWriter(request, ctx.response_headers())
+                await writer.start()
+                try:
+                    async for data in chunks(resp, "decode", self.up.decode_url):  # bytes as they come
+                        await writer.write(data)
+                except LegError as exc:
+                    log.warning("generate stream failed after the first byte: %s", exc)
+                    await writer.fail(502, f"The decode engine failed: {exc.kind}")
+                return writer.response
+        except LegError as exc:
+            raise leg_failure(exc) from exc
 
     async def _relay(self, resp: aiohttp.ClientResponse, mode: wire.OutputMode, stream_call: chained.StreamCall,
                      writer: SSEWriter, shaper: Shaper) -> Any:

@@ -6,7 +6,8 @@ shapes from ``responses``; the legs are called by ``poollegs`` (render, derender
 ``clientstream``'s. This module sequences them:
 - a decode answer in ``tokens`` (planned, or an engine that refused or ignored the inline mode)
   gets the chained path; any other answer is shaped as it is;
-- a ``GenerateRequest`` client gets its prefill leg rewritten and the decode answer passed through;
+- a ``GenerateRequest`` client gets its prefill leg rewritten and the decode answer passed
+  through (``Decoder.passthrough``);
 - client disconnect: upstream streams are closed and ``handlers`` has the engines still working
   on the request abort it.
 """
@@ -15,44 +16,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from disagg_sidecar import chained, derender_fixes, legs, plan, responses, streaming, wire
+from disagg_sidecar import chained, derender_fixes, legs, plan, responses, wire
 from disagg_sidecar.clientstream import SSEWriter, run_stream
 from disagg_sidecar.config import Capabilities, SidecarConfig
-from disagg_sidecar.connectors import KVConnector
 from disagg_sidecar.context import Context
 from disagg_sidecar.decoding import Decoder
-from disagg_sidecar.errors import error_body
-from disagg_sidecar.failures import leg_failure
-from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.poollegs import PoolLegs, Prefilled
-from disagg_sidecar.upstream import LegError, Upstream, chunks
 from disagg_sidecar.usage import total_usage
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
 class Flows:
     config: SidecarConfig
-    up: Upstream
-    metrics: Metrics
-    connector: KVConnector | None  # None: no prefill pool
-    capabilities: Callable[[], Capabilities]
+    pools: PoolLegs
+    decoder: Decoder
+    capabilities: Callable[[], Capabilities]  # what the decode engine may be asked for now
     model_name: Callable[[], str | None]
-    pools: PoolLegs = field(init=False)
-    decoder: Decoder = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.pools = PoolLegs(self.config, self.up, self.metrics, self.connector)
-        self.decoder = Decoder(self.config, self.up, self.metrics)
 
     def _shape(self, body: Mapping[str, Any], gen: Mapping[str, Any], prefilled: Prefilled, created: int,
                response_id: str, index_offset: int = 0) -> responses.Shape:
@@ -150,34 +136,7 @@ class Flows:
 
     async def generate(self, request: web.Request, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
         """The client's own GenerateRequest: prefill leg rewritten, decode answer passed through."""
-        kv = (await self.pools.prefill(body, ctx)).kv
-        mode = plan.answered_mode(body)
-        context = {k: body[k] for k in (wire.CHAT_REQUEST, wire.PARSE_CONTEXT) if body.get(k) is not None}
-        decode_body = legs.decode_leg(body, kv, output_mode=mode, context=context)
-        if mode != "derender":  # the client's context is the engine's to reject, as it would be direct
-            decode_body.update(context)
-        self.metrics.output_modes.labels(mode).inc()
-        try:
-            async with self.up.decode(streaming.dumps(decode_body), ctx.headers, ctx.inflight) as resp:
-                if resp.status != 200 or not body.get("stream"):
-                    raw = await resp.read()
-                    if resp.status >= 500:
-                        raise self.decoder.error(resp.status, raw)
-                    return web.Response(body=raw, status=resp.status, content_type="application/json",
-                                        headers=ctx.response_headers())
-                out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                  **ctx.response_headers()})
-                await out.prepare(request)
-                try:
-                    async for data in chunks(resp, "decode", self.up.decode_url):  # bytes as they come
-                        await out.write(data)
-                except LegError as exc:
-                    log.warning("generate stream failed after the first byte: %s", exc)
-                    await out.write(streaming.sse_json(error_body(502, f"The decode engine failed: {exc.kind}")))
-                    await out.write(streaming.DONE_EVENT)
-                return out
-        except LegError as exc:
-            raise leg_failure(exc) from exc
+        return await self.decoder.passthrough(request, body, (await self.pools.prefill(body, ctx)).kv, ctx)
 
 
 def _dumps(obj: Any) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from disagg_sidecar import wire
 from disagg_sidecar.connectors import KVConnector
+from disagg_sidecar.plan import answered_mode
 from disagg_sidecar.streaming import dumps
 
 # Fields a prefill leg must not carry: it returns one token nobody reads.
@@ -74,6 +75,15 @@ def decode_leg(
     if output_mode == "derender" and context:
         body.update(context)
     return body
+
+
+def client_decode_leg(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A ``GenerateRequest`` client's decode leg: its own output mode, and the parser context it
+    sent kept for the engine to use (``derender``) or reject, as it would be sent directly."""
+    context = {k: body[k] for k in (wire.CHAT_REQUEST, wire.PARSE_CONTEXT) if body.get(k) is not None}
+    leg = decode_leg(body, kv_transfer_params, output_mode=answered_mode(body), context=context)
+    leg.update(context)
+    return leg
 
 
 def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None, mode: wire.OutputMode,

@@ -25,7 +25,7 @@ from disagg_sidecar.usage import cached_tokens
 
 log = logging.getLogger(__name__)
 
-Tier = Literal["render", "derender"]
+TierLeg = Literal["render", "derender"]  # the tiers the chained path calls too
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class PoolLegs:
     metrics: Metrics
     connector: KVConnector | None  # None: no prefill pool
 
-    async def call(self, tier: Tier, path: str, body: bytes, ctx: Context) -> Any:
+    async def call(self, tier: TierLeg, path: str, body: bytes, ctx: Context) -> Any:
         """A render or derender leg's JSON answer."""
         try:
             reply = await self.up.call(tier, path, body, ctx.headers)
