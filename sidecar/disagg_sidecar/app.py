@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from disagg_sidecar import handlers, wire
+from disagg_sidecar import capabilities, handlers, wire
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import get_connector
+from disagg_sidecar.decoding import Decoder
 from disagg_sidecar.discovery import make_source
 from disagg_sidecar.endpoints import EndpointPool
 from disagg_sidecar.errors import SidecarError, error_bytes
@@ -24,6 +25,7 @@ from disagg_sidecar.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
+from disagg_sidecar.poollegs import PoolLegs
 from disagg_sidecar.state import DecodeAnswers, SidecarState
 from disagg_sidecar.upstream import PROBE_TIMEOUT, Upstream
 
@@ -123,10 +125,10 @@ async def _probe(app: web.Application) -> None:
             pool.mark_ok(url) if ok else pool.mark_failed(url)  # selection avoids failed ones
         return any(results)
 
-    (decode_ok, refused), render_ok, derender_ok, prefill_ok = await asyncio.gather(
-        _decode_health(up), any_healthy(up.render), any_healthy(up.derender), any_healthy(up.prefill))
+    (decode_ok, refused), *pools_ok = await asyncio.gather(
+        _decode_health(up), *(any_healthy(pool) for pool in up.pools.values()))
     state.record_probe("decode", decode_ok, refused=refused)
-    for tier, ok in (("render", render_ok), ("derender", derender_ok), ("prefill", prefill_ok)):
+    for tier, ok in zip(up.pools, pools_ok):
         state.record_probe(tier, ok)
     if decode_ok and state.needs_serving_check(_decode_answers(app[METRICS])):
         serving = await _decode_serves(up, state.model_name())
@@ -135,9 +137,7 @@ async def _probe(app: web.Application) -> None:
                 "decode engine %s", "serves again" if serving else "answers 5xx while its /health says 200: not ready")
         state.decode_serving = serving
     if decode_ok and state.config.decode.probe_capabilities:
-        served = await up.served_capabilities()
-        if isinstance(served, dict):
-            served.pop("live_derender_requests", None)  # a gauge, not a capability
+        served = capabilities.served(await up.served_capabilities())
         if served is not None and served != state.served_capabilities:
             log.info("decode engine capabilities: %s", served)
             state.served_capabilities = served
@@ -179,10 +179,9 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     )
     app[UPSTREAM] = upstream
     state = app[STATE]
-    app[FLOWS] = Flows(config, upstream, app[METRICS],
-                       get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector
-                       else None,
-                       capabilities=state.capabilities, model_name=state.model_name)
+    kv = get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector else None
+    app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv),
+                       Decoder(config, upstream, app[METRICS]), state.capabilities, state.model_name)
     await _probe(app)
     prober = asyncio.create_task(_probe_forever(app))
     try:

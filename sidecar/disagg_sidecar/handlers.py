@@ -21,7 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from disagg_sidecar import allowlist, bodycheck, plan, requestlimits, wire
 from disagg_sidecar.budget import Reservation
 from disagg_sidecar.errors import SidecarError, bad_request
-from disagg_sidecar.exchange import Context
+from disagg_sidecar.context import Context
 from disagg_sidecar.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
@@ -102,7 +102,7 @@ def context(request: web.Request, body: Any) -> Context:
     target = None
     if state.config.prefill.trust_prefiller_header:
         target = allowlist.select_prefill(request.headers.getall(wire.PREFILLER_HOST_PORT, []),
-                                          request.app[UPSTREAM].prefill.endpoints())
+                                          request.app[UPSTREAM].pools["prefill"].endpoints())
     return Context(request_id, headers, target, engine_id=engine_id)
 
 

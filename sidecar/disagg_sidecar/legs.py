@@ -15,6 +15,8 @@ from typing import Any
 
 from disagg_sidecar import wire
 from disagg_sidecar.connectors import KVConnector
+from disagg_sidecar.plan import answered_mode
+from disagg_sidecar.streaming import dumps
 
 # Fields a prefill leg must not carry: it returns one token nobody reads.
 _PREFILL_DROP = (wire.CHAT_REQUEST, wire.PARSE_CONTEXT, "stream_options", "return_token_ids")
@@ -73,6 +75,32 @@ def decode_leg(
     if output_mode == "derender" and context:
         body.update(context)
     return body
+
+
+def client_decode_leg(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A ``GenerateRequest`` client's decode leg: its own output mode, and the parser context it
+    sent kept for the engine to use (``derender``) or reject, as it would be sent directly."""
+    context = {k: body[k] for k in (wire.CHAT_REQUEST, wire.PARSE_CONTEXT) if body.get(k) is not None}
+    leg = decode_leg(body, kv_transfer_params, output_mode=answered_mode(body), context=context)
+    leg.update(context)
+    return leg
+
+
+def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None, mode: wire.OutputMode,
+                context: wire.ContextForm | None, chat_raw: bytes | None) -> bytes:
+    """The decode leg of an OpenAI request, serialised; with ``derender``, the parser context is
+    the client's request (spliced in as its own bytes) or render's ``parse_context``."""
+    slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
+    body = dumps(decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim))
+    if mode == "derender" and context == "chat_request" and chat_raw is not None:
+        body = with_raw_field(body, wire.CHAT_REQUEST, chat_raw)
+    return body
+
+
+def with_raw_field(body: bytes, key: str, raw: bytes) -> bytes:
+    """``body`` (a serialised JSON object) with ``key: raw`` added, without re-serialising ``raw``."""
+    assert body.endswith(b"}")
+    return body[:-1] + b',"' + key.encode() + b'":' + raw + b"}"
 
 
 # SamplingParams' own default, which render's serialisation leaves out when the client asked for it.

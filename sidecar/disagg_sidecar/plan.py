@@ -1,7 +1,7 @@
 """Per-request decisions, pure: which output mode the decode leg asks for, whether the derender
 tier has to finish the job, and how the prompt gets prefilled.
 
-The decode engine's capabilities decide the output mode (vllm-scale-out-protocol.md §4.5):
+The decode engine's capabilities (``capabilities``) decide the output mode:
 - chat: inline ``derender`` when the engine has it (one hop, no replay); inline ``text`` when no
   parser is configured; otherwise ``tokens`` and the derender tier (batch, or per chunk);
 - completions: inline ``text``, unless the client asked for logprobs (their completions shape
@@ -25,14 +25,11 @@ Api = Literal["chat", "completions", "generate"]
 Chain = Literal["chat", "completions"]
 
 
-ContextForm = Literal["chat_request", "parse_context"]
-
-
 @dataclass(frozen=True)
 class DecodePlan:
     mode: wire.OutputMode
     chain: Chain | None  # derender path for a tokens answer; None: pass the answer through
-    context: ContextForm | None = None  # parser context sent with mode "derender"
+    context: wire.ContextForm | None = None  # parser context sent with mode "derender"
 
     @property
     def chained(self) -> bool:
@@ -56,7 +53,19 @@ def decode_plan(api: Api, request: Mapping[str, Any], caps: Capabilities) -> Dec
         if "text" in modes and request.get("logprobs") is None:
             return DecodePlan("text", "completions")
         return DecodePlan("tokens", "completions")
-    return DecodePlan(request.get(wire.OUTPUT_MODE) or "tokens", None)
+    return DecodePlan(answered_mode(request), None)
+
+
+def answered_mode(generate: Mapping[str, Any]) -> wire.OutputMode:
+    """The output mode of a generate answer or chunk (or the one a GenerateRequest asks for): an
+    engine that ignores the field answers without it, in ``tokens``."""
+    return generate.get(wire.OUTPUT_MODE) or "tokens"
+
+
+def retry_as_tokens(status: int, asked: wire.OutputMode, decode_plan: DecodePlan) -> bool:
+    """Whether a decode answer ``status`` to a request for ``asked`` is an engine refusing the
+    inline mode, to be asked again for tokens (and the answer chained)."""
+    return status == 400 and asked != "tokens" and decode_plan.chain is not None
 
 
 def fit_to_render(decode_plan: DecodePlan, gen: Mapping[str, Any]) -> DecodePlan:
@@ -103,32 +112,3 @@ def check_generate_request(body: Any) -> None:
     mode = body.get(wire.OUTPUT_MODE, "tokens")
     if mode not in wire.OUTPUT_MODES:
         raise bad_request(f"output_mode must be one of {list(wire.OUTPUT_MODES)}", wire.OUTPUT_MODE)
-
-
-def effective_capabilities(configured: Capabilities, served: Mapping[str, Any] | str | None,
-                           stock: Capabilities = Capabilities()) -> Capabilities:
-    """What the sidecar may ask the decode engine for: configuration narrowed by what it serves.
-
-    ``served`` is the engine's ``/disagg/v1/capabilities`` answer, "absent" when the engine has
-    no extension (then only what stock vLLM of that version does, ``stock``), or None when it
-    could not be asked yet.
-    """
-    if served is None:
-        return configured
-    if served == "absent":
-        served = {"output_modes": list(stock.output_modes), "streaming_output_modes": list(stock.streaming_output_modes),
-                  "derender_context_forms": list(stock.derender_context_forms)}
-    assert isinstance(served, Mapping)
-
-    def narrow(key: str) -> tuple:
-        offered = served.get(key)
-        mine = getattr(configured, key)
-        return mine if not isinstance(offered, list) else tuple(m for m in mine if m in offered)
-
-    parser = served.get("parser_configured")
-    return configured.model_copy(update={
-        "output_modes": narrow("output_modes"),
-        "streaming_output_modes": narrow("streaming_output_modes"),
-        "derender_context_forms": narrow("derender_context_forms"),
-        "parser_configured": parser if isinstance(parser, bool) else configured.parser_configured,
-    })

@@ -5,7 +5,7 @@ vLLM 0.32's batch quirks), the decode engine's inline ``derender`` mode (generat
 ``message``/``delta`` choices) and inline ``text`` mode (generate objects with ``text``). All end
 up as ``chat.completion``/``chat.completion.chunk``/``text_completion`` with the id the coupled
 server would have used (``chatcmpl-<X-Request-Id>``, ``cmpl-...``), one ``created`` per request,
-``usage`` from ``usage.fix_usage`` and these normalisations (cpu-engine-notes.md §5):
+``usage`` from ``usage.fix_usage`` and these normalisations:
 - vLLM 0.32's derender quirks (stop token decoded as text, ``finish_reason``, tool-call ids) are
   fixed with ``derender_fixes``;
 - fields only a generate client asked for (``token_ids``, ``prompt_token_ids``) are dropped unless

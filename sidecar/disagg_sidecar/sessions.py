@@ -75,7 +75,7 @@ async def endpoint_with_sessions(up: Upstream) -> tuple[str, str] | None:
     known = _cache.setdefault(up, {})
     now = time.monotonic()
     tried: list[str] = []
-    while (url := up.derender.pick(exclude=tried)) is not None:
+    while (url := up.pools["derender"].pick(exclude=tried)) is not None:
         tried.append(url)
         at, path = known.get(url, (-1e9, None))
         if now - at > CAPABILITY_TTL_SECONDS:
@@ -139,10 +139,10 @@ class SessionDerender:
             return await self._resume()  # nothing delivered: the stateless path from the start
         url, path = picked
         try:
-            with self.up.derender.lease(url):
+            with self.up.pools["derender"].lease(url):
                 await self._session(url + path)
         except (SessionFailed, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            self.up.derender.mark_failed(url)
+            self.up.pools["derender"].mark_failed(url)
             self.up.metrics.leg_errors.labels("derender", "session").inc()
             log.warning("derender session on %s failed, continuing statelessly: %s", url, exc)
             await self._resume()

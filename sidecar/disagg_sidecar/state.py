@@ -15,7 +15,7 @@ from typing import Any
 
 from disagg_sidecar.budget import MemoryBudget
 from disagg_sidecar.config import Capabilities, SidecarConfig
-from disagg_sidecar.plan import effective_capabilities
+from disagg_sidecar import capabilities
 
 UNHEALTHY_AFTER = 2  # consecutive failed probes
 
@@ -35,7 +35,7 @@ class DecodeAnswers:
 @dataclass
 class SidecarState:
     config: SidecarConfig
-    served_capabilities: dict[str, Any] | str | None = None  # see plan.effective_capabilities
+    served_capabilities: dict[str, Any] | str | None = None  # see capabilities.effective
     served_model: str | None = None
     healthy: dict[str, bool] = field(default_factory=dict)  # tier -> reachable
     _failures: dict[str, int] = field(default_factory=dict)
@@ -66,8 +66,7 @@ class SidecarState:
         return suspect or not self.decode_serving
 
     def capabilities(self) -> Capabilities:
-        served = self.served_capabilities if self.config.decode.probe_capabilities else None
-        return effective_capabilities(self.config.configured_capabilities, served, self.config.stock_capabilities)
+        return capabilities.current(self.config, self.served_capabilities)
 
     def model_name(self) -> str | None:
         return self.config.served_model_name or self.served_model

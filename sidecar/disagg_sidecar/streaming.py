@@ -1,11 +1,10 @@
 """Server-sent events, and the chained streaming derender with chunk coalescing.
 
-Chained streaming (vllm-scale-out-protocol.md §4.3): every generate chunk goes to the derender
-tier with the ``stream_state`` the previous call returned for the same choice index; the usage
-chunk too; ``[DONE]`` never. The derender tier replays a choice's whole output on every call, so
-its cost grows with calls² × tokens (cpu-engine-notes.md §6). Coalescing bounds the number of
-calls by the tier's speed instead of the token count: each choice index has one lane that sends
-the first chunk at once and, while that call is in flight, collects what arrives and sends it as
+Chained streaming: every generate chunk goes to the derender tier with the ``stream_state`` the
+previous call returned for the same choice index; the usage chunk too; ``[DONE]`` never. The
+derender tier replays a choice's whole output on every call, so its cost grows with calls² ×
+tokens. Coalescing bounds the number of calls by the tier's speed instead of the token count:
+each choice index has one lane that sends the first chunk at once and, while that call is in flight, collects what arrives and sends it as
 one merged chunk next. Merging is exact: the state records merged chunks as one. With ``hold``
 (a request with stop strings, whose cut can reach back into text already decoded) a lane sends
 its choice once it finished, as one chunk (``chained``).

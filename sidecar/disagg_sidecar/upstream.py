@@ -28,6 +28,7 @@ from disagg_sidecar.metrics import Metrics
 log = logging.getLogger(__name__)
 
 Leg = Literal["render", "prefill", "decode", "derender"]
+PoolLeg = Literal["render", "prefill", "derender"]  # legs to a pool of endpoints (decode: this pod's engine)
 JSON_HEADERS = {"Content-Type": "application/json"}
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2, sock_connect=1)
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=1)
@@ -49,6 +50,15 @@ def transport_error(leg: Leg, url: str, exc: BaseException) -> LegError:
     kind = ("timeout" if isinstance(exc, asyncio.TimeoutError)
             else "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "disconnect")
     return LegError(leg, kind, url, detail=str(exc))
+
+
+async def chunks(resp: aiohttp.ClientResponse, leg: Leg, url: str) -> AsyncIterator[bytes]:
+    """A leg's streamed answer, bytes as they come; a broken stream becomes a ``LegError``."""
+    try:
+        async for data in resp.content.iter_any():
+            yield data
+    except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        raise transport_error(leg, url, exc) from exc
 
 
 @dataclass
@@ -78,9 +88,7 @@ class Upstream:
         self.session = session
         self.config = config
         self.metrics = metrics
-        self.render = render
-        self.derender = derender
-        self.prefill = prefill
+        self.pools: dict[PoolLeg, EndpointPool] = {"render": render, "derender": derender, "prefill": prefill}
         self.decode_url = config.decode.url
         t = config.timeouts
         connect = t.connect_seconds
@@ -108,9 +116,11 @@ class Upstream:
 
     # -- a pool leg with retries ---------------------------------------------------------------
 
-    async def call(self, leg: Leg, pool: EndpointPool, path: str, body: bytes, headers: Mapping[str, str], *,
+    async def call(self, leg: PoolLeg, path: str, body: bytes, headers: Mapping[str, str], *,
                    first: str | None = None, inflight: InFlight | None = None) -> Reply:
-        """The leg on ``first`` (or a picked endpoint), retried elsewhere on failure; 2xx/4xx returned."""
+        """The leg on ``first`` (or a picked endpoint of its pool), retried elsewhere on failure;
+        2xx/4xx returned."""
+        pool = self.pools[leg]
         tried: list[str] = []
         error: LegError | None = None
         if inflight is not None:

@@ -8,7 +8,7 @@ found in its cache, which is what a coupled server would report.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from disagg_sidecar import wire
@@ -50,3 +50,11 @@ def add_usage(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> dict[
         out["prompt_tokens_details"] = {**da, "cached_tokens": int(da.get("cached_tokens") or 0)
                                         + int(db.get("cached_tokens") or 0)}
     return out
+
+
+def total_usage(usages: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """The sum of the usages of a request's prompts (None where none reported one)."""
+    total = None
+    for usage in usages:
+        total = add_usage(total, usage)
+    return total

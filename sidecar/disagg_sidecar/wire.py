@@ -4,8 +4,10 @@ from typing import Final, Literal
 
 OutputMode = Literal["tokens", "text", "derender"]
 OUTPUT_MODES: Final = ("tokens", "text", "derender")
+# How the decode leg carries the parser context for output mode "derender" (the field it goes in).
+ContextForm = Literal["chat_request", "parse_context"]
 
-# vLLM scale-out paths (vllm-scale-out-protocol.md §1-4).
+# vLLM scale-out paths.
 CHAT_RENDER: Final = "/v1/chat/completions/render"
 COMPLETIONS_RENDER: Final = "/v1/completions/render"
 CHAT_DERENDER: Final = "/v1/chat/completions/derender"

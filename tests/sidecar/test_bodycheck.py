@@ -11,7 +11,7 @@ from disagg_sidecar import bodycheck, requestlimits
 from disagg_sidecar.budget import MemoryBudget, Reservation
 from disagg_sidecar.config import Limits
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.exchange import leg_failure, streamed_error
+from disagg_sidecar.failures import leg_failure, streamed_error
 from disagg_sidecar.upstream import LegError
 
 

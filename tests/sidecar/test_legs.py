@@ -134,6 +134,36 @@ def test_decode_leg_with_the_sidecar_chosen_mode() -> None:
     assert d["output_mode"] == "tokens" and "chat_request" not in d
 
 
+@pytest.mark.parametrize("mode", [None, "tokens", "text", "derender"])
+def test_a_generate_clients_decode_leg_keeps_its_mode_and_context(mode) -> None:
+    body = {**gen(), "chat_request": CHAT_REQUEST, "sampling_params": {"max_tokens": 3, "extra_args": {
+        "kv_transfer_params": {"remote_host": "attacker"}}}}
+    body.pop("output_mode")
+    if mode is not None:
+        body["output_mode"] = mode
+    d = legs.client_decode_leg(body, {"remote_block_ids": [1]})
+    assert d["output_mode"] == (mode or "tokens")
+    assert d["chat_request"] == CHAT_REQUEST  # the engine's to use or to reject, as sent directly
+    assert d["kv_transfer_params"] == {"remote_block_ids": [1]} and d["sampling_params"] == {"max_tokens": 3}
+
+
+@pytest.mark.parametrize("mode, context, expected_context", [
+    ("derender", "chat_request", {"chat_request": {"model": "m", "messages": [{"role": "user", "content": "h\u00e9"}]}}),
+    ("derender", "parse_context", {"parse_context": {"tools": None}}),
+    ("tokens", "chat_request", {}),  # a chained answer needs no parser context on decode
+    ("text", None, {}),
+])
+def test_decode_body(mode, context, expected_context) -> None:
+    client = b'{"model": "m",  "messages": [{"role": "user", "content": "h\\u00e9"}]}'
+    rendered = {**gen(), "parse_context": {"tools": None}}
+    body = legs.decode_body(rendered, {"remote_block_ids": [1]}, mode, context, client)
+    parsed = json.loads(body)
+    assert parsed["output_mode"] == mode and parsed["kv_transfer_params"] == {"remote_block_ids": [1]}
+    assert {k: parsed[k] for k in ("chat_request", "parse_context") if k in parsed} == expected_context
+    if context == "chat_request" and mode == "derender":
+        assert body.endswith(b',"chat_request":' + client + b"}")  # the client's bytes, not re-serialised
+
+
 def test_connectors_by_name() -> None:
     assert isinstance(get_connector("NixlConnector"), NixlConnector)
     assert isinstance(get_connector("ExampleConnector"), ExampleConnector)

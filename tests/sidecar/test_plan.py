@@ -1,5 +1,5 @@
-"""Pure decisions: output mode per API and capabilities, prefill route, request checks, and
-capabilities narrowed by what the engine serves."""
+"""Pure decisions: output mode per API and capabilities, the answer's mode and the refusal rule,
+prefill route, request checks."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.plan import (
     DecodePlan,
+    answered_mode,
     check_generate_request,
     check_openai_request,
     decode_plan,
-    effective_capabilities,
     fit_to_render,
     prefill_route,
+    retry_as_tokens,
 )
 
 ALL = ("tokens", "text", "derender")
@@ -66,6 +67,28 @@ def test_chained_means_tokens_and_a_chain() -> None:
     assert not DecodePlan("tokens", None).chained
 
 
+@pytest.mark.parametrize("answer, expected", [
+    ({"output_mode": "text", "choices": []}, "text"),
+    ({"output_mode": "derender"}, "derender"),
+    ({"choices": []}, "tokens"),  # an engine that ignores the field
+    ({"output_mode": None}, "tokens"),
+])
+def test_answered_mode(answer, expected) -> None:
+    assert answered_mode(answer) == expected
+
+
+@pytest.mark.parametrize("status, asked, decode_plan, expected", [
+    (400, "derender", DecodePlan("derender", "chat", "chat_request"), True),
+    (400, "text", DecodePlan("text", "completions"), True),
+    (400, "tokens", DecodePlan("tokens", "chat"), False),  # nothing left to fall back to
+    (400, "derender", DecodePlan("derender", None), False),  # a generate client's own mode
+    (422, "derender", DecodePlan("derender", "chat", "chat_request"), False),
+    (500, "text", DecodePlan("text", "chat"), False),
+])
+def test_retry_as_tokens_only_for_a_refused_inline_mode_with_a_chain(status, asked, decode_plan, expected) -> None:
+    assert retry_as_tokens(status, asked, decode_plan) is expected
+
+
 @pytest.mark.parametrize("remote, prompt, threshold, expected", [
     (True, 100, 0, "remote"),
     (True, 10, 32, "skipped"),
@@ -74,32 +97,6 @@ def test_chained_means_tokens_and_a_chain() -> None:
 ])
 def test_prefill_route(remote, prompt, threshold, expected) -> None:
     assert prefill_route(remote, prompt, threshold) == expected
-
-
-@pytest.mark.parametrize("served, expected_modes, expected_stream", [
-    (None, ALL, ALL),  # not asked yet: configuration
-    ("absent", ("tokens", "text"), ("tokens", "text")),  # stock vLLM 0.32
-    ({"output_modes": ["tokens", "text", "derender"], "streaming_output_modes": ["tokens", "text"]},
-     ALL, ("tokens", "text")),
-    ({"output_modes": ["tokens"]}, ("tokens",), ALL),
-])
-def test_effective_capabilities(served, expected_modes, expected_stream) -> None:
-    caps = effective_capabilities(EXT, served)
-    assert caps.output_modes == expected_modes and caps.streaming_output_modes == expected_stream
-
-
-def test_absent_extension_leaves_what_stock_vllm_of_that_version_does() -> None:
-    caps = effective_capabilities(EXT, "absent", STOCK_033)
-    assert caps.output_modes == ALL and caps.streaming_output_modes == ("tokens", "text")
-    assert caps.derender_context_forms == ()  # EXT (configured) only named chat_request
-
-
-def test_configuration_only_narrows() -> None:
-    served = {"output_modes": list(ALL), "streaming_output_modes": list(ALL), "parser_configured": False,
-              "derender_context_forms": ["chat_request", "parse_context"]}
-    caps = effective_capabilities(STOCK, served)
-    assert caps.output_modes == ("tokens", "text") and caps.parser_configured is False
-    assert caps.derender_context_forms == ("chat_request",)
 
 
 @pytest.mark.parametrize("api, body, status", [

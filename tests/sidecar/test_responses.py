@@ -6,7 +6,7 @@ import pytest
 
 from disagg_sidecar import responses
 from disagg_sidecar.derender_fixes import chat_finish_reason, generate_for_derender, tool_call_id
-from disagg_sidecar.usage import add_usage, cached_tokens, fix_usage
+from disagg_sidecar.usage import add_usage, cached_tokens, fix_usage, total_usage
 
 SHAPE = responses.Shape(id="chatcmpl-r1", created=123, model="m", prompt_tokens=10)
 NIXL_KV = {"remote_engine_id": "e", "remote_prefill_cached_tokens": 8}
@@ -30,6 +30,8 @@ def test_add_usage() -> None:
     assert add_usage(a, b) == {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13,
                                "prompt_tokens_details": {"cached_tokens": 3}}
     assert add_usage(None, b) == b and add_usage(None, None) is None
+    assert total_usage([a, None, b]) == add_usage(a, b) and total_usage([None, None]) is None
+    assert total_usage(iter([b])) == b
 
 
 @pytest.mark.parametrize("finish, calls, tool_choice, expected", [

@@ -1,0 +1,78 @@
+"""The client's event stream: headers go with the first event, so a failure before it is an
+ordinary HTTP error and a failure after it an SSE error event followed by ``[DONE]``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from disagg_sidecar import streaming
+from disagg_sidecar.errors import SidecarError, error_body
+from disagg_sidecar.failures import leg_failure
+from disagg_sidecar.upstream import LegError
+
+log = logging.getLogger(__name__)
+
+
+class SSEWriter:
+    """The client's event stream; headers are sent with the first event (errors before it are
+    ordinary HTTP errors). Writes are serialised: several lanes write to one stream."""
+
+    def __init__(self, request: web.Request, headers: Mapping[str, str]):
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                    "Cache-Control": "no-cache", **headers})
+        self._lock = asyncio.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self.response.prepared
+
+    async def start(self) -> None:
+        """Send the headers before the first event."""
+        async with self._lock:
+            await self._start()
+
+    async def write(self, data: bytes) -> None:
+        async with self._lock:
+            await self._start()
+            await self.response.write(data)
+
+    async def _start(self) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+
+    async def send(self, obj: Mapping[str, Any]) -> None:
+        await self.write(streaming.sse_json(obj))
+
+    async def fail(self, status: int, message: str) -> None:
+        await self.send(error_body(status, message))
+        await self.write(streaming.DONE_EVENT)
+
+
+async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]]) -> web.StreamResponse:
+    """``run`` writing to ``writer``, then ``[DONE]``; a failure after the first byte is an SSE
+    error event (before it, the error is raised for an ordinary HTTP answer)."""
+    try:
+        await run()
+    except (SidecarError, LegError) as exc:
+        err = exc if isinstance(exc, SidecarError) else leg_failure(exc)
+        if not writer.started:
+            raise err from exc
+        log.warning("stream failed after the first byte: %s", err.message)
+        await writer.fail(err.status, err.message)
+        return writer.response
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        if not writer.started:
+            raise
+        log.exception("stream failed after the first byte")
+        await writer.fail(500, "Internal sidecar error")
+        return writer.response
+    await writer.write(streaming.DONE_EVENT)
+    return writer.response

@@ -1,0 +1,164 @@
+"""The decode leg, to the engine in this pod.
+
+An OpenAI request's, batch or streamed, goes through one call (``Decoder.call``): the engine is
+asked for the planned output mode; one that refuses it (400) is asked again for tokens when the
+plan can chain the answer, and an answer in another mode than asked (an engine that ignores the
+field) is chained as well. An error before the first byte is an OpenAI-shaped 4xx (the engine's
+own) or a 502/503; in the stream, an error event after it is raised for ``clientstream``.
+A ``GenerateRequest`` client's is passed through in the mode it asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from disagg_sidecar import chained, legs, plan, sessions, streaming, wire
+from disagg_sidecar.clientstream import SSEWriter
+from disagg_sidecar.config import SidecarConfig
+from disagg_sidecar.context import Context
+from disagg_sidecar.errors import SidecarError
+from disagg_sidecar.failures import leg_failure, streamed_error
+from disagg_sidecar.metrics import Metrics
+from disagg_sidecar.upstream import LegError, Upstream, chunks
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# The engine's 200 answer, still open, and the output mode it was asked for -> what the caller wants.
+Read = Callable[[aiohttp.ClientResponse, wire.OutputMode], Awaitable[T]]
+# A decode (or derender) chunk -> the client's chunk, None when it carries nothing for the client.
+Shaper = Callable[[Mapping[str, Any]], Mapping[str, Any] | None]
+
+
+@dataclass
+class Decoder:
+    config: SidecarConfig
+    up: Upstream
+    metrics: Metrics
+
+    async def call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
+                   ctx: Context, chat_raw: bytes | None, read: Read[T]) -> tuple[wire.OutputMode, T]:
+        """The decode leg, asked again for tokens when the engine refuses the planned mode; the
+        mode of the answer ``read`` read, and what it returned."""
+        mode = decode_plan.mode
+        while True:
+            self.metrics.output_modes.labels(mode).inc()
+            try:
+                async with self.up.decode(legs.decode_body(gen, kv, mode, decode_plan.context, chat_raw),
+                                          ctx.headers, ctx.inflight) as resp:
+                    if resp.status == 200:
+                        return mode, await read(resp, mode)
+                    status, raw = resp.status, await resp.read()
+            except LegError as exc:
+                raise leg_failure(exc) from exc
+            if not plan.retry_as_tokens(status, mode, decode_plan):
+                raise self.error(status, raw)
+            log.warning("decode engine rejected output_mode=%s, chaining instead: %s", mode, raw[:300])
+            self.metrics.mode_fallbacks.labels(mode).inc()
+            mode = "tokens"
+
+    def error(self, status: int, raw: bytes) -> SidecarError:
+        """A decode engine's non-200 answer before the first byte: its 4xx as it said it; a 5xx
+        counted, and a 502 for the client (no retry: the decode engine is this pod's own)."""
+        if status < 500:
+            return SidecarError.upstream(status, raw, "decode")
+        self.metrics.leg_errors.labels("decode", "status").inc()
+        return leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
+
+    async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
+                    ctx: Context, chat_raw: bytes | None) -> Any:
+        """The decode answer, parsed."""
+        mode, raw = await self.call(gen, kv, decode_plan, ctx, chat_raw, lambda resp, _: resp.read())
+        answer = json.loads(raw)
+        if plan.answered_mode(answer) != mode:
+            self.metrics.mode_fallbacks.labels(mode).inc()
+        return answer
+
+    async def stream(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
+                     ctx: Context, stream_call: chained.StreamCall, chat_raw: bytes | None,
+                     writer: SSEWriter, shaper: Shaper) -> Any:
+        """Stream one prompt's decode leg to the client; returns its usage (sent by the caller)."""
+        async def read(resp: aiohttp.ClientResponse, mode: wire.OutputMode) -> Any:
+            return await self._relay(resp, mode, stream_call, writer, shaper)
+        return (await self.call(gen, kv, decode_plan, ctx, chat_raw, read))[1]
+
+    async def passthrough(self, request: web.Request, body: Mapping[str, Any], kv: dict[str, Any] | None,
+                          ctx: Context) -> web.StreamResponse:
+        """A ``GenerateRequest`` client's decode leg, in the mode it asked for, its answer passed
+        through (the bytes as they come when streamed)."""
+        self.metrics.output_modes.labels(plan.answered_mode(body)).inc()
+        try:
+            async with self.up.decode(streaming.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
+                                      ctx.inflight) as resp:
+                if resp.status != 200 or not body.get("stream"):
+                    raw = await resp.read()
+                    if resp.status >= 500:
+                        raise self.error(resp.status, raw)
+                    return web.Response(body=raw, status=resp.status, content_type="application/json",
+                                        headers=ctx.response_headers())
+                writer = SSEWriter(request, ctx.response_headers())
+                await writer.start()
+                try:
+                    async for data in chunks(resp, "decode", self.up.decode_url):  # bytes as they come
+                        await writer.write(data)
+                except LegError as exc:
+                    log.warning("generate stream failed after the first byte: %s", exc)
+                    await writer.fail(502, f"The decode engine failed: {exc.kind}")
+                return writer.response
+        except LegError as exc:
+            raise leg_failure(exc) from exc
+
+    async def _relay(self, resp: aiohttp.ClientResponse, mode: wire.OutputMode, stream_call: chained.StreamCall,
+                     writer: SSEWriter, shaper: Shaper) -> Any:
+        """The decode stream to the client: inline chunks shaped, tokens chunks chained."""
+        usage: list[Any] = []
+
+        async def emit(chunk: Mapping[str, Any]) -> None:
+            if not chunk.get("choices") and chunk.get("usage"):
+                usage.append(chunk["usage"])  # one usage chunk for the whole response, sent last
+                return
+            out = shaper(chunk)
+            if out is not None:
+                await writer.send(out)
+
+        def on_call(merged: int) -> None:
+            if merged > 1:
+                self.metrics.coalesced_chunks.inc(merged - 1)
+
+        chain: streaming.ChainedDerender | sessions.SessionDerender | None = None
+        parser = streaming.SSEParser()
+        error: dict[str, Any] | None = None
+        try:
+            async for data in chunks(resp, "decode", self.up.decode_url):
+                for payload in parser.feed(data):
+                    if payload.strip() == wire.SSE_DONE:
+                        continue
+                    event = json.loads(payload)
+                    if "error" in event:
+                        error = event["error"]
+                        continue
+                    if plan.answered_mode(event) == "tokens":
+                        if chain is None:
+                            if mode != "tokens":
+                                self.metrics.mode_fallbacks.labels(mode).inc()
+                            chain = sessions.derender_chain(self.up, stream_call, emit, lambda out: (
+                                streaming.ChainedDerender(stream_call, out, coalesce=self.config.limits.coalesce,
+                                                          hold=stream_call.hold, on_call=on_call)))
+                        chain.feed(event)
+                    else:
+                        await emit(event)
+            if chain is not None:
+                await chain.finish()
+        finally:
+            if chain is not None:
+                await chain.cancel()
+        if error is not None:
+            raise streamed_error(error)
+        return usage[-1] if usage else None

@@ -1,0 +1,37 @@
+"""How a failed leg looks to the client: the status, the message and nothing of the upstream's
+own body (tracebacks, addresses), which stays in the log."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from disagg_sidecar.errors import SidecarError
+from disagg_sidecar.upstream import LegError
+
+log = logging.getLogger(__name__)
+
+
+def leg_failure(exc: LegError) -> SidecarError:
+    """A leg that failed after its retries, as the client sees it (the details only in the log)."""
+    log.warning("%s", exc)
+    if exc.leg == "decode":
+        if exc.kind == "connect":
+            return SidecarError(503, "The decode engine is not reachable; is it running?",
+                                type_="ServiceUnavailableError", headers={"Retry-After": "1"})
+        # Its body stays in the log (LegError's text): tracebacks and addresses are not the client's.
+        detail = f"status {exc.status}" if exc.status else exc.kind
+        return SidecarError(502, f"The decode engine failed: {detail}", type_="BadGatewayError")
+    return SidecarError(503, f"The {exc.leg} tier is unavailable ({exc.kind})", type_="ServiceUnavailableError",
+                        headers={"Retry-After": "1"})
+
+
+def streamed_error(error: Mapping[str, Any]) -> SidecarError:
+    """An error event in the decode stream: a 4xx as the engine said it; anything else a 502
+    whose detail stays in the log."""
+    code = error.get("code")
+    if isinstance(code, int) and 400 <= code < 500:
+        return SidecarError(code, str(error.get("message")))
+    log.warning("decode stream error event: %.500s", error)
+    return SidecarError(502, "The decode engine failed during the stream", type_="BadGatewayError")

@@ -1,0 +1,85 @@
+"""What the decode engine may be asked for: from the configuration, stock vLLM of the engine's
+version, and what the engine serves (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg_sidecar import capabilities
+from disagg_sidecar.config import Capabilities, SidecarConfig
+
+ALL = ("tokens", "text", "derender")
+EXT = Capabilities(output_modes=ALL, streaming_output_modes=ALL)
+STOCK = Capabilities()  # tokens, text
+STOCK_033 = Capabilities(output_modes=ALL, derender_context_forms=("parse_context",))
+FEATURES_033 = {"generate_output_mode_derender": True, "render_parse_context": True}
+
+
+def config(**overrides) -> SidecarConfig:
+    return SidecarConfig.model_validate({"decode": {"url": "http://127.0.0.1:8200"}, **overrides})
+
+
+@pytest.mark.parametrize("served, expected_modes, expected_stream", [
+    (None, ALL, ALL),  # not asked yet: configuration
+    ("absent", ("tokens", "text"), ("tokens", "text")),  # stock vLLM 0.32
+    ({"output_modes": ["tokens", "text", "derender"], "streaming_output_modes": ["tokens", "text"]},
+     ALL, ("tokens", "text")),
+    ({"output_modes": ["tokens"]}, ("tokens",), ALL),
+])
+def test_effective(served, expected_modes, expected_stream) -> None:
+    caps = capabilities.effective(EXT, served)
+    assert caps.output_modes == expected_modes and caps.streaming_output_modes == expected_stream
+
+
+def test_absent_extension_leaves_what_stock_vllm_of_that_version_does() -> None:
+    caps = capabilities.effective(EXT, "absent", STOCK_033)
+    assert caps.output_modes == ALL and caps.streaming_output_modes == ("tokens", "text")
+    assert caps.derender_context_forms == ()  # EXT (configured) only named chat_request
+
+
+def test_configuration_only_narrows() -> None:
+    served = {"output_modes": list(ALL), "streaming_output_modes": list(ALL), "parser_configured": False,
+              "derender_context_forms": ["chat_request", "parse_context"]}
+    caps = capabilities.effective(STOCK, served)
+    assert caps.output_modes == ("tokens", "text") and caps.parser_configured is False
+    assert caps.derender_context_forms == ("chat_request",)
+
+
+@pytest.mark.parametrize("engine, expected", [
+    ({}, STOCK),  # vLLM 0.32: tokens and text on generate
+    ({"features": FEATURES_033}, STOCK_033),
+    ({"features": {"generate_output_mode_derender": True}}, STOCK),  # derender needs render's parse_context
+    ({"extension": True}, Capabilities(output_modes=ALL, streaming_output_modes=ALL,
+                                       derender_context_forms=("chat_request", "parse_context"))),
+    ({"extension": True, "features": FEATURES_033}, capabilities.EXTENSION),
+])
+def test_configured_from_the_engine(engine, expected) -> None:
+    assert capabilities.configured(config(engine=engine)) == expected
+
+
+def test_configured_capabilities_win_over_the_engine() -> None:
+    given = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+    c = config(decode={"url": "http://127.0.0.1:8200", "capabilities": given}, engine={"extension": True})
+    assert capabilities.configured(c) == Capabilities(output_modes=("tokens",), streaming_output_modes=("tokens",))
+
+
+def test_stock_is_the_engines_version_without_the_extension() -> None:
+    c = config(engine={"extension": True, "features": FEATURES_033})
+    assert capabilities.stock(c.engine) == STOCK_033
+    assert capabilities.current(c, "absent").streaming_output_modes == ("tokens", "text")
+
+
+def test_current_ignores_the_probe_unless_asked_to() -> None:
+    served = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+    probing = config(engine={"extension": True})
+    assert capabilities.current(probing, served).output_modes == ("tokens",)
+    assert capabilities.current(probing, None) == capabilities.EXTENSION
+    trusting = config(decode={"url": "http://127.0.0.1:8200", "probe_capabilities": False}, engine={"extension": True})
+    assert capabilities.current(trusting, served) == capabilities.EXTENSION
+
+
+def test_served_drops_gauges_only() -> None:
+    answer = {"output_modes": ["tokens"], "live_derender_requests": 3}
+    assert capabilities.served(answer) == {"output_modes": ["tokens"]}
+    assert answer["live_derender_requests"] == 3  # the probe's answer is not changed
+    assert capabilities.served("absent") == "absent" and capabilities.served(None) is None
