@@ -14,7 +14,7 @@ from typing import Any
 from benchmarks.client import run_load
 from benchmarks.outputs import agent_chat, reasoning_tool_call_ids
 from benchmarks.procs import CpuMeter
-from benchmarks.stack import TOKENS_ONLY, counting_proxy, max_output_tokens, sidecar, sidecar_config
+from benchmarks.stack import max_output_tokens, recording_proxy, sidecar, sidecar_config, traffic
 from benchmarks.stats import paired_ratios, summary
 from tests.harness.openai_views import chat_stream_view
 
@@ -35,8 +35,8 @@ def run(ctx) -> dict[str, Any]:
     pid = {role: sset.servers[role].pid for role in ("render", "decode", "coupled")}
     rows: dict[str, dict[int, list[dict[str, float]]]] = {p: {n: [] for n in lengths} for p in PATHS}
     mismatches: list[str] = []
-    with counting_proxy(sset.url("render")) as counter:
-        tier = {"render": {"url": counter.url}, "derender": {"url": counter.url}, "prefill": LOCAL_PREFILL}
+    with recording_proxy(sset.url("render")) as tier_proxy:
+        tier = {"render": {"url": tier_proxy.url}, "derender": {"url": tier_proxy.url}, "prefill": LOCAL_PREFILL}
         stock = {"decode": {"url": sset.url("coupled")}}  # coupled is also a stock --enable-scale-out engine
         configs = {
             "inline": sidecar_config(sset, **tier),
@@ -61,11 +61,11 @@ def run(ctx) -> dict[str, Any]:
                             continue
                         url, pids = target[name]
                         meter = CpuMeter(pids)
-                        before = counter.snapshot()
+                        tier_proxy.calls.clear()
                         meter.start()
                         (s,) = run_load(url + "/v1/chat/completions", [bodies[n]], keep=True)
                         cpu = meter.stop()
-                        moved = counter.delta(counter.snapshot(), before)
+                        moved = traffic(tier_proxy.calls)
                         if not s.ok:
                             raise RuntimeError(f"{name} n={n}: {s.error}")
                         view = chat_stream_view(s.events)

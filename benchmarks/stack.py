@@ -1,29 +1,25 @@
 """The system under test: the harness's real vLLM CPU servers (started here, or attached with
-``DISAGG_ATTACH_SERVERS``), ``disagg sidecar`` processes in front of them, and a byte-counting
-pass-through between a sidecar and its render/derender tier."""
+``DISAGG_ATTACH_SERVERS``), ``disagg sidecar`` processes in front of them, and what passes
+between a sidecar and its render/derender tier (the tests' recording pass-through)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import aiohttp
-from aiohttp import web
 
 from disagg_engine.servers import ServerSpec, free_port, start_all
 from disagg_engine.testing.server_set import ENGINE_ENV, ROLE_ENV, ROLES, ServerSet, role_argv
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.harness.engine import _attached_set
-from tests.sidecar.conftest import TOKENS_ONLY
-from tests.sidecar.support import LoopThread, SidecarProcess, sidecar_config, sidecar_process
+from tests.sidecar.support import Recorded, SidecarProcess, recording_proxy, sidecar_config, sidecar_process
 
-__all__ = ["TOKENS_ONLY", "Counter", "counting_proxy", "server_set", "sidecar", "sidecar_config"]
+__all__ = ["recording_proxy", "server_set", "sidecar", "sidecar_config", "traffic"]
 
 
 # The harness's 8,192 leaves no room for an 8,192-token answer after its prompt.
@@ -65,61 +61,13 @@ def sidecar(config: dict[str, Any]) -> Iterator[SidecarProcess]:
             yield proc
 
 
-@dataclass
-class Counter:
-    """Bytes and calls through the pass-through, by path (request bodies + response bodies)."""
-
-    url: str = ""
-    bytes_out: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # sidecar -> tier
-    bytes_in: dict[str, int] = field(default_factory=lambda: defaultdict(int))    # tier -> sidecar
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {"bytes_out": dict(self.bytes_out), "bytes_in": dict(self.bytes_in), "calls": dict(self.calls)}
-
-    @staticmethod
-    def delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-        return {k: {p: n - before[k].get(p, 0) for p, n in after[k].items() if n - before[k].get(p, 0)}
-                for k in after}
-
-
-@contextmanager
-def counting_proxy(target: str) -> Iterator[Counter]:
-    """Forwards every request to ``target`` unchanged, streaming, counting what passes."""
-    counter = Counter()
-    lt = LoopThread()
-    port = free_port()
-
-    async def start() -> tuple[web.AppRunner, aiohttp.ClientSession]:
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=600))
-
-        async def forward(request: web.Request) -> web.StreamResponse:
-            raw = await request.read()
-            counter.calls[request.path] += 1
-            counter.bytes_out[request.path] += len(raw)
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-            async with session.request(request.method, target + request.path_qs, data=raw, headers=headers) as resp:
-                out = web.StreamResponse(status=resp.status, headers={
-                    "Content-Type": resp.headers.get("Content-Type", "application/json")})
-                await out.prepare(request)
-                async for chunk in resp.content.iter_any():
-                    counter.bytes_in[request.path] += len(chunk)
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
-
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", forward)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner, session
-
-    runner, session = lt.run(start())
-    counter.url = f"http://127.0.0.1:{port}"
-    try:
-        yield counter
-    finally:
-        lt.run(runner.cleanup())
-        lt.run(session.close())
-        lt.close()
+def traffic(calls: list[Recorded]) -> dict[str, dict[str, int]]:
+    """Calls and bytes by path through a ``recording_proxy``: ``bytes_out`` sidecar -> tier
+    (request bodies, by their Content-Length), ``bytes_in`` tier -> sidecar (response bodies)."""
+    out: dict[str, dict[str, int]] = {"calls": defaultdict(int), "bytes_out": defaultdict(int), "bytes_in": defaultdict(int)}
+    for call in calls:
+        length = next((v for k, v in call.headers.items() if k.lower() == "content-length"), None)
+        out["calls"][call.path] += 1
+        out["bytes_out"][call.path] += int(length) if length is not None else len(json.dumps(call.body).encode())
+        out["bytes_in"][call.path] += len(call.response)
+    return {k: dict(v) for k, v in out.items()}

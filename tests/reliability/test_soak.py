@@ -15,7 +15,7 @@ from tests.sidecar.support import sidecar_config, sidecar_process
 
 pytestmark = [pytest.mark.engine, pytest.mark.reliability]
 
-STREAMS, SECONDS, EARLY = 200, 20.0, 5.0
+STREAMS, SECONDS, EARLY = 200, 15.0, 5.0
 RSS_GROWTH = 0.25  # the benchmark's goal is 10% between 10 s and 60 s
 
 
