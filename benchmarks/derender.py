@@ -18,19 +18,19 @@ from benchmarks.stack import max_output_tokens, recording_proxy, sidecar, sideca
 from benchmarks.stats import paired_ratios, summary
 from tests.harness.openai_views import chat_stream_view
 
-LENGTHS = (256, 1024, 4096, 8192)
+LENGTHS = (64, 256, 1024, 4096, 8192)
 PATHS = ("coupled", "inline", "chained", "chained_nocoalesce")
 DERENDER = "/v1/chat/completions/derender"
 LOCAL_PREFILL = {"mode": "local", "discovery": None}
-# One derender call per token is slow enough (~10 ms of render CPU each here) that longer answers
-# would take minutes per request; the coalescing paths run at every n.
-NOCOALESCE_MAX = 1024
+# One derender call per token is slow (~10 ms of render CPU each here, more as n grows): longer
+# answers take minutes per request on 2 cores. The coalescing paths run at every n.
+NOCOALESCE_MAX = 256
 
 
 def run(ctx) -> dict[str, Any]:
     sset, tok = ctx.servers(), ctx.tokenizer()
     lengths = [min(n, max_output_tokens(sset)) for n in ctx.sizes("lengths", LENGTHS)]
-    rounds = ctx.sizes("rounds", 3)
+    rounds = ctx.sizes("rounds", 2)
     nocoalesce_max = ctx.sizes("nocoalesce_max", NOCOALESCE_MAX)
     pid = {role: sset.servers[role].pid for role in ("render", "decode", "coupled")}
     rows: dict[str, dict[int, list[dict[str, float]]]] = {p: {n: [] for n in lengths} for p in PATHS}
@@ -97,6 +97,16 @@ def bytes_growth(by_n: dict[int, dict[str, Any]]) -> float:
     return per_token[1] / per_token[0] if per_token[0] else float("nan")
 
 
+def per_call_growth(by_n: dict[int, dict[str, Any]]) -> float:
+    """Bytes per derender call at the largest n over the smallest: > 1 when each call carries more
+    the later it comes (state that grows with the answer)."""
+    ns = sorted(by_n)
+    if len(ns) < 2:
+        return float("nan")
+    per_call = [by_n[n]["bytes_to_derender"]["median"] / by_n[n]["derender_calls"]["median"] for n in (ns[0], ns[-1])]
+    return per_call[1] / per_call[0] if per_call[0] else float("nan")
+
+
 def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[int],
               mismatches: list[str]) -> dict[str, Any]:
     """Medians with spread per path and n, per-round ratios to coupled, and the results.json keys."""
@@ -125,5 +135,6 @@ def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[
     keys["chained_client_chunks_ratio_4096"] = med("chained", "chunks_ratio")
     keys["chained_bytes_per_token_4096"] = med("chained", "bytes_to_derender") / n
     keys["chained_bytes_per_token_growth"] = bytes_growth(table.get("chained", {}))
+    keys["chained_nocoalesce_bytes_per_call_growth"] = per_call_growth(table.get("chained_nocoalesce", {}))
     return {"keys": keys, "lengths": lengths, "nocoalesce_max": NOCOALESCE_MAX, "table": table, "mismatches": mismatches,
             "outputs_equal_coupled": not mismatches}
