@@ -59,6 +59,7 @@ def _header(parts: dict[str, dict[str, Any]]) -> list[str]:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}.",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in metas[0]["versions"].items()) + ".",
         "Runs: " + "; ".join(f"`{p}` {r['meta']['started']} ({r['meta']['seconds']:.0f} s{', quick sizes' if r['meta']['quick'] else ''}"
+                             f"{''.join(f', {k}={v}' for k, v in r['meta'].get('overrides', {}).items())}"
                              f"{', attached servers' if r['meta'].get('attached_servers') else ''})" for p, r in parts.items()) + ".",
         "Load average (1/5/15 min) when each part started: "
         + "; ".join(f"{p} {'/'.join(str(x) for x in la)}" for p, la in loads.items()) + ".",

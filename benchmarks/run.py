@@ -37,13 +37,17 @@ QUICK: dict[str, Any] = {
 class Context:
     """What the parts share: sizes, the server set (started on first use), the tokenizer, a log."""
 
-    def __init__(self, stack: ExitStack, quick: bool, out: Path) -> None:
+    def __init__(self, stack: ExitStack, quick: bool, out: Path, overrides: dict[str, Any] | None = None) -> None:
         self.stack, self.quick, self.out = stack, quick, out
+        self.overrides = overrides or {}
         self.part = ""
         self._servers = None
 
     def sizes(self, name: str, default: Any) -> Any:
-        return QUICK.get(f"{self.part}.{name}", default) if self.quick else default
+        key = f"{self.part}.{name}"
+        if key in self.overrides:
+            return self.overrides[key]
+        return QUICK.get(key, default) if self.quick else default
 
     def servers(self):
         if self._servers is None:
@@ -91,11 +95,22 @@ def machine() -> dict[str, Any]:
             "kernel": platform.release(), "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
+def parse_override(text: str) -> tuple[str, Any]:
+    """``part.name=1`` -> 1, ``part.name=64,256`` -> (64, 256) (the sizes are numbers)."""
+    key, _, value = text.partition("=")
+    if "." not in key or not value:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected PART.NAME=NUMBER[,NUMBER...]")
+    nums = tuple(float(v) if "." in v else int(v) for v in value.split(","))
+    return key, nums if "," in value else nums[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)}; 'all' or nothing: every part")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (checks the machinery, not a result)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--set", type=parse_override, action="append", default=[], metavar="PART.NAME=N[,N...]",
+                    help="override a size, e.g. derender.rounds=3 or proxy.concurrency=1,16,64")
     args = ap.parse_args(argv)
     parts = [p for arg in args.parts for p in arg.replace(",", " ").split()] or ["all"]
     parts = list(PARTS) if parts == ["all"] else parts
@@ -104,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "parts").mkdir(parents=True, exist_ok=True)
     failed = []
     with ExitStack() as stack:
-        ctx = Context(stack, args.quick, args.out)
+        ctx = Context(stack, args.quick, args.out, dict(args.set))
         for part in parts:
             ctx.part = part
             ctx.log(f"part {part}")
@@ -118,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             result["meta"] = {"started": started.isoformat(timespec="seconds"),
                               "seconds": round(time.monotonic() - t0, 1), "quick": args.quick,
+                              "overrides": {k: v for k, v in dict(args.set).items() if k.startswith(part + ".")},
                               "machine": machine(), "versions": versions(),
                               "attached_servers": bool(__import__("os").environ.get("DISAGG_ATTACH_SERVERS"))}
             (args.out / "parts" / f"{part}.json").write_text(json.dumps(result, indent=1, default=str))
