@@ -19,7 +19,8 @@ class Goal:
     def check(self, keys: dict[str, Any]) -> dict[str, Any]:
         value = keys.get(self.key)
         if value is None or value != value:
-            return {"goal": self.name, "key": self.key, "value": None, "bound": self.bound, "status": "not measured"}
+            return {"goal": self.name, "key": self.key, "value": None, "bound": self.bound, "op": self.op,
+                    "unit": self.unit, "status": "not measured"}
         met = value <= self.bound if self.op == "<=" else value >= self.bound
         by = value - self.bound if self.op == "<=" else self.bound - value
         return {"goal": self.name, "key": self.key, "value": value, "bound": self.bound, "op": self.op,

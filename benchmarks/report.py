@@ -40,7 +40,7 @@ def results(parts: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def _goal_line(g: dict[str, Any]) -> str:
     if g["status"] == "not measured":
-        return f"| {g['goal']} | {g.get('op', '')} {g['bound']} | not measured | — |"
+        return f"| {g['goal']} | {g['op']} {g['bound']} {g['unit']} | not measured (`{g['key']}`) | — |"
     value = f"{fmt(g['value'], 3)} {g['unit']}".strip()
     if g["status"] == "met":
         verdict = "**met**"
@@ -163,10 +163,11 @@ SECTIONS = {"proxy": ("1. Proxy overhead", _proxy), "derender": ("2. Derender co
             "soak": ("5. Soak", _soak)}
 
 
-def markdown(parts: dict[str, dict[str, Any]], res: dict[str, Any], plots: list[str]) -> str:
+def markdown(parts: dict[str, dict[str, Any]], res: dict[str, Any], plots: list[str], notes: str = "") -> str:
     lines = ["# Benchmark results", "", "Written by `make bench` (`python -m benchmarks.run`, benchmarks/); each part "
              "alone with `make bench BENCH=<part>`. Every figure is a median over repeated runs with its spread "
              "(min-max, n); each comparison runs its sides alternately in one process.", "", *_header(parts), "",
+             *([notes.strip(), ""] if notes.strip() else []),
              "## Goals (issue #19)", "", "| goal | bound | measured | verdict |", "|---|---|---|---|"]
     lines += [_goal_line(g) for g in res["goals"]]
     lines += ["", "Keys: `bench/results.json` (`keys`)."]
@@ -191,4 +192,5 @@ def write_all(out: Path) -> None:
     except ImportError as exc:  # matplotlib comes with benchmarks/setup
         print(f"no plots: {exc}")
         plots = []
-    (out / "RESULTS.md").write_text(markdown(parts, res, plots))
+    notes = out / "notes.md"  # by hand: what the numbers cannot say about the run (kept across runs)
+    (out / "RESULTS.md").write_text(markdown(parts, res, plots, notes.read_text() if notes.exists() else ""))
