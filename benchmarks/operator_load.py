@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks.procs import cpu_seconds, rss_mb
 from disagg_operator.objects import build_objects, names
-from tests.harness.cluster import Cluster, _release, _session_lock, _start_or_reuse, default_state_dir
+from tests.harness.cluster import Cluster, ClusterError, _release, _session_lock, _start_or_reuse, default_state_dir
 from tests.harness.operator import OperatorProcess
 from tests.operator.cases import base
 from tests.operator.conftest import CRD
@@ -55,10 +55,13 @@ def create_at_once(cluster: Cluster, op: OperatorProcess, ns: str, count: int, t
         now = time.monotonic()
         if now - start > timeout:
             raise TimeoutError(f"{count} models: children/status not complete after {timeout}s\n{op.log_tail()}")
-        if applied_at is None and children_count(cluster, ns) >= want:
-            applied_at = time.monotonic()
-        if status_at is None and statuses_written(cluster, ns) >= count:
-            status_at = time.monotonic()
+        try:
+            if applied_at is None and children_count(cluster, ns) >= want:
+                applied_at = time.monotonic()
+            if status_at is None and statuses_written(cluster, ns) >= count:
+                status_at = time.monotonic()
+        except ClusterError:  # a busy API server times a list out (504): poll again
+            pass
         time.sleep(0.5)
     done = max(applied_at, status_at)
     busy_cpu = cpu_seconds(op.proc.pid) - cpu0
