@@ -7,13 +7,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BENCH ?= all
+BENCH_ARGS ?=
 
-.PHONY: help setup engine-setup model k8s-bins node-deps cluster-up cluster-down node-up node-down test test-unit demo crds clean
+.PHONY: help setup engine-setup model k8s-bins node-deps cluster-up cluster-down node-up node-down test test-unit demo bench crds clean
 
 help:
 	@echo "make demo          run a DisaggregatedModel locally and stream one chat answer"
 	@echo "                   (DEMO_ARGS=--keep leaves it running: disagg status / disagg down)"
 	@echo "make test          set up what is missing, run the whole suite"
+	@echo "make bench         set up what is missing, run the benchmarks, write bench/ (BENCH=proxy|derender|serve|operator|soak)"
 	@echo "make setup         venv + project + CPU vLLM (0.32, and the 0.33 lane) + tiny test model (idempotent)"
 	@echo "make cluster-up    start the local Kubernetes control plane (.cluster/kubeconfig)"
 	@echo "make cluster-down  stop it (and the real node, if up)"
@@ -50,6 +53,11 @@ test-unit: setup
 
 demo: setup
 	$(BIN)/python -m disagg_cli.demo $(DEMO_ARGS)
+
+# Starts its own vLLM servers and (for the operator part) the local control plane; bench/RESULTS.md.
+bench: setup k8s-bins
+	@benchmarks/setup >/dev/null
+	$(BIN)/python -m benchmarks.run $(BENCH) $(BENCH_ARGS)
 
 # crds/kopf.dev_*.yaml (kopf's peering CRDs, for replicas > 1) are kept by hand; all are copied.
 crds: setup

@@ -4,7 +4,7 @@ Both servers run the same model and forced tokens; the engine work is identical,
 that differs is the CPU of the API server process (detokenization + parsing + serialisation).
 Prints the numbers and their ratio (goal: derender / coupled <= 1.1).
 
-    .venv/bin/python benchmarks/engine_derender.py [--tokens 2048] [--runs 3]
+    .venv/bin/python -m benchmarks.engine_derender [--tokens 2048] [--runs 3]
     DISAGG_ATTACH_SERVERS=/path/servers.json ... attaches to a running harness set
 """
 
@@ -17,28 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import requests
 
+from benchmarks.outputs import reasoning_tool_call_ids
+from benchmarks.procs import cpu_seconds
 from disagg_engine.testing.server_set import start_server_set
-
-
-WORDS = ("the", "weather", "city", "check", "first", "then", "answer", "user", "asks", "about")
-
-
-def forced_ids(tokens: int, tok) -> list[int]:
-    """``tokens`` ids: reasoning of common one-token words, a short answer, one hermes tool call."""
-    call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}})
-    tail = tok.encode(f"\n</think>\n\nChecking the weather.\n<tool_call>\n{call}\n</tool_call>", add_special_tokens=False)
-    head = tok.encode("<think>\n", add_special_tokens=False)
-    word_ids = [tok.encode(" " + w, add_special_tokens=False)[0] for w in WORDS]
-    body = [word_ids[i % len(word_ids)] for i in range(max(tokens - len(head) - len(tail) - 1, 0))]
-    return head + body + tail + [tok.eos_token_id]
-
-
-def api_cpu(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
 
 
 def stream(url: str, body: dict) -> int:
@@ -73,7 +56,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model_dir)
-        ids = forced_ids(args.tokens, tok)
+        ids = reasoning_tool_call_ids(args.tokens, tok)
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}}}}]
         chat = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "bench"}], "tools": tools,
@@ -91,9 +74,9 @@ def main() -> None:
             stream(url, body)  # warm-up
         for _ in range(args.runs):  # alternating, so drift in machine load hits both paths alike
             for name, url, body, pid in paths:
-                c0, w0 = api_cpu(pid), time.perf_counter()
+                c0, w0 = cpu_seconds(pid), time.perf_counter()
                 stream(url, body)
-                totals[name][0] += api_cpu(pid) - c0
+                totals[name][0] += cpu_seconds(pid) - c0
                 totals[name][1] += time.perf_counter() - w0
         results = {name: (cpu / args.runs, wall / args.runs) for name, (cpu, wall) in totals.items()}
         print(f"forced output: {len(ids)} tokens (reasoning + content + 1 tool call), {args.runs} runs each")

@@ -1,0 +1,141 @@
+"""Part 2, derender cost vs output length: one forced reasoning + tool-call answer of n tokens,
+streamed through coupled vLLM, the sidecar with inline derender (decode runs the extension) and
+the sidecar chained to the derender tier (stock decode) with and without coalescing.
+
+Per path and n: CPU of every non-engine process (vLLM API servers by pid, the sidecar, render),
+bytes and calls between the sidecar and the render/derender tier (a counting pass-through), the
+client's chunk count and largest gap, wall time; the answer is compared with coupled's of the
+same round. The paths run alternately within each round."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.client import run_load
+from benchmarks.outputs import agent_chat, reasoning_tool_call_ids
+from benchmarks.procs import CpuMeter
+from benchmarks.stack import max_output_tokens, recording_proxy, sidecar, sidecar_config, traffic
+from benchmarks.stats import paired_ratios, summary
+from tests.harness.openai_views import chat_stream_view
+
+LENGTHS = (64, 256, 1024, 4096, 8192)
+PATHS = ("coupled", "inline", "chained", "chained_nocoalesce")
+DERENDER = "/v1/chat/completions/derender"
+LOCAL_PREFILL = {"mode": "local", "discovery": None}
+# One derender call per token is slow (~10 ms of render CPU each here, more as n grows): longer
+# answers take minutes per request on 2 cores. The coalescing paths run at every n.
+NOCOALESCE_MAX = 256
+
+
+def run(ctx) -> dict[str, Any]:
+    sset, tok = ctx.servers(), ctx.tokenizer()
+    lengths = [min(n, max_output_tokens(sset)) for n in ctx.sizes("lengths", LENGTHS)]
+    rounds = ctx.sizes("rounds", 2)
+    nocoalesce_max = ctx.sizes("nocoalesce_max", NOCOALESCE_MAX)
+    pid = {role: sset.servers[role].pid for role in ("render", "decode", "coupled")}
+    rows: dict[str, dict[int, list[dict[str, float]]]] = {p: {n: [] for n in lengths} for p in PATHS}
+    mismatches: list[str] = []
+    with recording_proxy(sset.url("render")) as tier_proxy:
+        tier = {"render": {"url": tier_proxy.url}, "derender": {"url": tier_proxy.url}, "prefill": LOCAL_PREFILL}
+        stock = {"decode": {"url": sset.url("coupled")}}  # coupled is also a stock --enable-scale-out engine
+        configs = {
+            "inline": sidecar_config(sset, **tier),
+            "chained": sidecar_config(sset, **tier, **stock),
+            "chained_nocoalesce": sidecar_config(sset, **tier, **stock, limits={"coalesce": False}),
+        }
+        with sidecar(configs["inline"]) as s_inline, sidecar(configs["chained"]) as s_chained, \
+                sidecar(configs["chained_nocoalesce"]) as s_nocoal:
+            side = {"inline": s_inline, "chained": s_chained, "chained_nocoalesce": s_nocoal}
+            target = {"coupled": (sset.url("coupled"), {"api": pid["coupled"]})}
+            for name, proc in side.items():
+                api = pid["decode"] if name == "inline" else pid["coupled"]
+                target[name] = (proc.url, {"api": api, "sidecar": proc.proc.pid, "render": pid["render"]})
+            bodies = {n: agent_chat(reasoning_tool_call_ids(n, tok)) for n in lengths}
+            for name, (url, _) in target.items():  # warm-up: connections, caches, the first parse
+                run_load(url + "/v1/chat/completions", [agent_chat(reasoning_tool_call_ids(64, tok))])
+            for r in range(rounds):
+                for n in lengths:
+                    want = None
+                    for name in PATHS:
+                        if name == "chained_nocoalesce" and n > nocoalesce_max:
+                            continue
+                        url, pids = target[name]
+                        meter = CpuMeter(pids)
+                        tier_proxy.calls.clear()
+                        meter.start()
+                        (s,) = run_load(url + "/v1/chat/completions", [bodies[n]], keep=True)
+                        cpu = meter.stop()
+                        moved = traffic(tier_proxy.calls)
+                        if not s.ok:
+                            raise RuntimeError(f"{name} n={n}: {s.error}")
+                        view = chat_stream_view(s.events)
+                        if name == "coupled":
+                            want = view
+                        elif view != want:
+                            mismatches.append(f"round {r} n={n} {name}")
+                        rows[name][n].append({
+                            "wall_s": s.latency, "chunks": s.chunks, "max_gap_s": max(s.gaps, default=0.0),
+                            "cpu_total_s": sum(cpu.values()), **{f"cpu_{k}_s": v for k, v in cpu.items()},
+                            "derender_calls": moved["calls"].get(DERENDER, 0),
+                            "bytes_to_derender": moved["bytes_out"].get(DERENDER, 0),
+                            "bytes_from_derender": moved["bytes_in"].get(DERENDER, 0),
+                            "bytes_render_leg": sum(moved["bytes_out"].values()) + sum(moved["bytes_in"].values())
+                            - moved["bytes_out"].get(DERENDER, 0) - moved["bytes_in"].get(DERENDER, 0),
+                        })
+                        ctx.log(f"derender r{r} n={n} {name}: wall {s.latency:.2f}s chunks {s.chunks} "
+                                f"cpu {sum(cpu.values()):.2f}s calls {moved['calls'].get(DERENDER, 0)}")
+    return summarise(rows, lengths, mismatches)
+
+
+def bytes_growth(by_n: dict[int, dict[str, Any]]) -> float:
+    """Bytes to derender per output token at the largest n over the same at the smallest n: 1 when
+    they grow linearly, about n_max / n_min when each call resends everything before it."""
+    ns = sorted(by_n)
+    if len(ns) < 2:
+        return float("nan")
+    per_token = [by_n[n]["bytes_to_derender"]["median"] / n for n in (ns[0], ns[-1])]
+    return per_token[1] / per_token[0] if per_token[0] else float("nan")
+
+
+def per_call_growth(by_n: dict[int, dict[str, Any]]) -> float:
+    """Bytes per derender call at the largest n over the smallest: > 1 when each call carries more
+    the later it comes (state that grows with the answer)."""
+    ns = sorted(by_n)
+    if len(ns) < 2:
+        return float("nan")
+    per_call = [by_n[n]["bytes_to_derender"]["median"] / by_n[n]["derender_calls"]["median"] for n in (ns[0], ns[-1])]
+    return per_call[1] / per_call[0] if per_call[0] else float("nan")
+
+
+def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[int],
+              mismatches: list[str]) -> dict[str, Any]:
+    """Medians with spread per path and n, per-round ratios to coupled, and the results.json keys."""
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for path, by_n in rows.items():
+        table[path] = {}
+        for n, runs in by_n.items():
+            if not runs:
+                continue
+            table[path][n] = {k: summary([r[k] for r in runs]) for k in runs[0]}
+            if path != "coupled" and rows["coupled"][n]:
+                coupled = rows["coupled"][n]
+                table[path][n]["cpu_ratio"] = paired_ratios([r["cpu_total_s"] for r in runs],
+                                                            [r["cpu_api_s"] for r in coupled])
+                table[path][n]["chunks_ratio"] = paired_ratios([r["chunks"] for r in runs],
+                                                               [r["chunks"] for r in coupled])
+    keys: dict[str, float] = {}
+    n = 4096 if 4096 in lengths else max(lengths)
+
+    def med(path: str, field: str) -> float:
+        return table.get(path, {}).get(n, {}).get(field, {}).get("median", float("nan"))
+
+    # Named for the n measured: a run without 4,096 leaves the goals' keys unmeasured.
+    keys[f"inline_cpu_ratio_{n}"] = med("inline", "cpu_ratio")
+    keys[f"inline_chunks_ratio_{n}"] = med("inline", "chunks_ratio")
+    keys[f"chained_cpu_ratio_{n}"] = med("chained", "cpu_ratio")
+    keys[f"chained_client_chunks_ratio_{n}"] = med("chained", "chunks_ratio")
+    keys[f"chained_bytes_per_token_{n}"] = med("chained", "bytes_to_derender") / n
+    keys["chained_bytes_per_token_growth"] = bytes_growth(table.get("chained", {}))
+    keys["chained_nocoalesce_bytes_per_call_growth"] = per_call_growth(table.get("chained_nocoalesce", {}))
+    return {"keys": keys, "lengths": lengths, "nocoalesce_max": NOCOALESCE_MAX, "table": table, "mismatches": mismatches,
+            "outputs_equal_coupled": not mismatches}

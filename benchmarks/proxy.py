@@ -1,0 +1,146 @@
+"""Part 1, proxy overhead: the same short requests straight to the decode engine and through the
+sidecar in front of it (prefill local, so only the proxy differs; a chat through the sidecar
+also takes its render leg), chat and generate, batch and streamed, at several concurrencies.
+
+Per side, kind and concurrency: latency p50/p99, TTFT, inter-chunk time, throughput, and the
+sidecar's CPU per request; separately the sidecar's CPU per relayed chunk (a long stream minus
+the same answer in one piece, divided by the chunks). Sides alternate within each round."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import requests
+
+from benchmarks.client import Sample, run_load
+from benchmarks.outputs import plain_ids, short_chat
+from benchmarks.procs import cpu_seconds
+from benchmarks.profile import profile
+from benchmarks.stack import sidecar, sidecar_config
+from benchmarks.stats import median, quantile, summary
+
+CONCURRENCY = (1, 16, 64)
+KINDS = ("chat", "chat_stream", "generate", "generate_stream")
+SHORT_TOKENS = 16
+CHUNK_GOAL_US, REQUEST_GOAL_MS = 50.0, 0.5  # issue #19's goals
+GENERATE = "/inference/v1/generate"
+CHAT = "/v1/chat/completions"
+
+
+def bodies(ctx, sset, kind: str, count: int, tokens: int) -> tuple[str, list[dict]]:
+    ids = plain_ids(tokens, ctx.tokenizer())
+    stream = kind.endswith("_stream")
+    chats = [short_chat(ids, stream, i) for i in range(count)]
+    if kind.startswith("chat"):
+        return CHAT, chats
+    render = sset.url("render") + "/v1/chat/completions/render"
+    return GENERATE, [requests.post(render, json=c, timeout=60).json() for c in chats]
+
+
+def timed(url: str, reqs: list[dict], concurrency: int, pid: int | None) -> tuple[list[Sample], float, float]:
+    """Samples, wall seconds, and the sidecar's CPU seconds (0 when direct)."""
+    c0 = cpu_seconds(pid) if pid else 0.0
+    t0 = time.perf_counter()
+    samples = run_load(url, reqs, concurrency)
+    wall = time.perf_counter() - t0
+    bad = [s for s in samples if not s.ok]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(samples)} requests failed: {bad[0].error}")
+    return samples, wall, (cpu_seconds(pid) - c0) if pid else 0.0
+
+
+def run(ctx) -> dict[str, Any]:
+    sset = ctx.servers()
+    rounds, per = ctx.sizes("rounds", 2), ctx.sizes("requests", 24)
+    config = sidecar_config(sset, prefill={"mode": "local", "discovery": None})
+    raw: dict[str, dict[int, dict[str, list[dict[str, Any]]]]] = {
+        k: {c: {"direct": [], "sidecar": []} for c in ctx.sizes("concurrency", CONCURRENCY)} for k in KINDS}
+    with sidecar(config) as side:
+        sides = {"direct": (sset.url("decode"), None), "sidecar": (side.url, side.proc.pid)}
+        for _, (base, _) in sides.items():  # warm-up
+            for kind in KINDS:
+                path, reqs = bodies(ctx, sset, kind, 4, SHORT_TOKENS)
+                run_load(base + path, reqs, 4)
+        for r in range(rounds):
+            for kind in KINDS:
+                for c in raw[kind]:
+                    path, reqs = bodies(ctx, sset, kind, max(per, 2 * c), SHORT_TOKENS)
+                    for name, (base, pid) in sides.items():
+                        samples, wall, cpu = timed(base + path, reqs, c, pid)
+                        raw[kind][c][name].append({
+                            "latency": [s.latency for s in samples], "ttft": [s.ttft for s in samples],
+                            "gaps": [g for s in samples for g in s.gaps], "chunks": sum(s.chunks for s in samples),
+                            "wall": wall, "requests": len(samples), "cpu": cpu})
+                    d, s = raw[kind][c]["direct"][-1], raw[kind][c]["sidecar"][-1]
+                    ctx.log(f"proxy r{r} {kind} c={c}: p50 direct {1e3 * median(d['latency']):.1f} ms, sidecar "
+                            f"{1e3 * median(s['latency']):.1f} ms, sidecar CPU/req {1e3 * s['cpu'] / s['requests']:.2f} ms")
+        result = summarise(raw, per_chunk_cpu(ctx, sset, side, rounds))
+        keys = result["keys"]
+        if keys["sidecar_cpu_us_per_chunk"] > CHUNK_GOAL_US or keys["sidecar_cpu_ms_per_request"] > REQUEST_GOAL_MS:
+            # A goal missed: where the sidecar's CPU goes, under streams and short requests mixed.
+            ids, short = plain_ids(512, ctx.tokenizer()), plain_ids(SHORT_TOKENS, ctx.tokenizer())
+            mix = [short_chat(ids, True, i) if i % 4 == 0 else short_chat(short, False, i) for i in range(16)]
+
+            def load(deadline: float) -> None:
+                while time.monotonic() < deadline:
+                    run_load(side.url + CHAT, mix, 8)
+
+            result["profile"] = profile(side.proc.pid, load, ctx.out / "profile-sidecar.txt",
+                                        seconds=ctx.sizes("profile_seconds", 20))
+    return result
+
+
+def per_chunk_cpu(ctx, sset, side, rounds: int) -> dict[str, Any]:
+    """Sidecar CPU of a long streamed chat minus the same answer in one piece, per relayed chunk."""
+    tokens = ctx.sizes("chunk_tokens", 512)
+    ids = plain_ids(tokens, ctx.tokenizer())
+    out = []
+    for r in range(max(rounds, 3)):
+        _, _, batch_cpu = timed(side.url + CHAT, [short_chat(ids, False, r)], 1, side.proc.pid)
+        samples, _, stream_cpu = timed(side.url + CHAT, [short_chat(ids, True, r)], 1, side.proc.pid)
+        chunks = samples[0].chunks
+        out.append({"chunks": chunks, "stream_cpu_s": stream_cpu, "batch_cpu_s": batch_cpu,
+                    "us_per_chunk": 1e6 * (stream_cpu - batch_cpu) / chunks,
+                    "us_per_chunk_upper": 1e6 * stream_cpu / chunks})
+    return {"tokens": tokens, "runs": out, "us_per_chunk": summary([o["us_per_chunk"] for o in out]),
+            "us_per_chunk_upper": summary([o["us_per_chunk_upper"] for o in out])}
+
+
+def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for kind, by_c in raw.items():
+        table[kind] = {}
+        for c, sides in by_c.items():
+            row: dict[str, Any] = {}
+            for name, runs in sides.items():
+                lat = [x for run in runs for x in run["latency"]]
+                row[name] = {
+                    "p50_ms": 1e3 * quantile(lat, 0.5), "p99_ms": 1e3 * quantile(lat, 0.99),
+                    "ttft_p50_ms": 1e3 * quantile([x for run in runs for x in run["ttft"]], 0.5),
+                    "chunk_gap_p50_ms": 1e3 * quantile([x for run in runs for x in run["gaps"]], 0.5),
+                    "throughput_rps": summary([run["requests"] / run["wall"] for run in runs]),
+                    "latency_ms": [1e3 * x for x in lat],
+                }
+            d, s = sides["direct"], sides["sidecar"]
+            row["added_p50_ms"] = summary([1e3 * (quantile(b["latency"], 0.5) - quantile(a["latency"], 0.5))
+                                           for a, b in zip(d, s)])
+            row["added_p99_ms"] = summary([1e3 * (quantile(b["latency"], 0.99) - quantile(a["latency"], 0.99))
+                                           for a, b in zip(d, s)])
+            row["added_ttft_p50_ms"] = summary([1e3 * (quantile(b["ttft"], 0.5) - quantile(a["ttft"], 0.5))
+                                                for a, b in zip(d, s)])
+            row["throughput_ratio"] = summary([(b["requests"] / b["wall"]) / (a["requests"] / a["wall"])
+                                               for a, b in zip(d, s)])
+            row["sidecar_cpu_ms_per_request"] = summary([1e3 * b["cpu"] / b["requests"] for b in s])
+            table[kind][c] = row
+    chat = table["chat"]
+    lo, hi = min(chat), max(chat)
+    keys = {
+        f"proxy_added_p50_ms_c{lo}": chat[lo]["added_p50_ms"]["median"],
+        f"proxy_added_p99_ms_c{hi}": chat[hi]["added_p99_ms"]["median"],
+        "sidecar_cpu_ms_per_request": chat[lo]["sidecar_cpu_ms_per_request"]["median"],
+        "sidecar_cpu_us_per_chunk": chunk_cost["us_per_chunk"]["median"],
+        f"proxy_throughput_ratio_c{hi}": chat[hi]["throughput_ratio"]["median"],
+        f"proxy_stream_throughput_ratio_c{hi}": table["chat_stream"][hi]["throughput_ratio"]["median"],
+    }
+    return {"keys": keys, "table": table, "chunk_cost": chunk_cost}

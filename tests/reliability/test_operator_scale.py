@@ -1,0 +1,36 @@
+"""500 ``DisaggregatedModel``s created at once (issue #19; `make bench BENCH=operator` also runs
+50): every child applied and every status written, within 3× what `kubectl apply --server-side`
+needs for the very same objects in the same run (the benchmark's goal is 2×)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.operator_load import create_at_once, kubectl_baseline
+from tests.harness.cluster import Cluster
+from tests.harness.operator import OperatorProcess
+
+pytestmark = [pytest.mark.cluster, pytest.mark.reliability]
+
+MODELS = 500
+BOUND = 3.0
+
+
+def test_five_hundred_models_at_once(cluster: Cluster, operator: OperatorProcess, ns: str, record_property: Any) -> None:
+    # Earlier tests' namespaces are garbage-collected by the same API server: let that finish first.
+    cluster.wait_for(lambda: not [n for n in cluster.api("GET", "/api/v1/namespaces")["items"]
+                                  if n["status"].get("phase") == "Terminating"],
+                     "earlier tests' namespaces deleted", timeout=600, interval=0.5)
+    run = create_at_once(cluster, operator, ns, MODELS)
+    baseline_ns = cluster.create_namespace("five-hundred-kubectl")
+    try:
+        baseline = kubectl_baseline(cluster, baseline_ns, MODELS)
+    finally:
+        cluster.kubectl("delete", "namespace", baseline_ns, "--wait=false", check=False)
+    record_property("five_hundred_models_seconds", round(run["seconds"], 1))
+    record_property("five_hundred_kubectl_seconds", round(baseline, 1))
+    print(f"{MODELS} models ({run['objects']} objects): children {run['children_seconds']:.1f}s, statuses "
+          f"{run['status_seconds']:.1f}s; kubectl --server-side {baseline:.1f}s")
+    assert run["seconds"] <= BOUND * baseline
