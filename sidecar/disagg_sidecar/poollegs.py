@@ -70,7 +70,7 @@ class PoolLegs:
         body = streaming.dumps(legs.prefill_leg(gen, self.connector, tokens_only=self.config.prefill_tokens_only))
         try:
             reply = await self.up.call("prefill", wire.GENERATE, body, ctx.headers,
-                                       first=ctx.prefill_target, inflight=ctx.inflight)
+                                       first=ctx.prefill_target, inflight=ctx.inflight, prompt=gen[wire.TOKEN_IDS])
         except LegError as exc:
             if self.config.prefill.failure_policy == "fail":
                 self.metrics.prefill.labels("failed").inc()

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -117,7 +117,7 @@ class Upstream:
     # -- a pool leg with retries ---------------------------------------------------------------
 
     async def call(self, leg: PoolLeg, path: str, body: bytes, headers: Mapping[str, str], *,
-                   first: str | None = None, inflight: InFlight | None = None) -> Reply:
+                   first: str | None = None, inflight: InFlight | None = None, prompt: Sequence[int] = ()) -> Reply:
         """The leg on ``first`` (or a picked endpoint of its pool), retried elsewhere on failure;
         2xx/4xx returned."""
         pool = self.pools[leg]
@@ -126,7 +126,7 @@ class Upstream:
         if inflight is not None:
             headers = inflight.headers
         for attempt in range(1 + self.config.retries):
-            url = first if attempt == 0 and first else (pool.pick(exclude=tried) or pool.pick())
+            url = first if attempt == 0 and first else (pool.pick(exclude=tried, prompt=prompt) or pool.pick())
             if url is None:
                 error = error or LegError(leg, "no endpoint", None)
                 break
