@@ -1,4 +1,4 @@
-"""Disagg's benchmarks (issue #19): what the sidecar and the derender paths cost beside coupled
+"""Disagg's benchmarks: what the sidecar and the derender paths cost beside coupled
 vLLM, and what the sidecar and the operator hold under load.
 
 ``python -m benchmarks.run [PART ...]`` (``make bench BENCH=...``) runs the parts: ``proxy``

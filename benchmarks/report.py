@@ -168,7 +168,7 @@ def markdown(parts: dict[str, dict[str, Any]], res: dict[str, Any], plots: list[
              "alone with `make bench BENCH=<part>`. Every figure is a median over repeated runs with its spread "
              "(min-max, n); each comparison runs its sides alternately in one process.", "", *_header(parts), "",
              *([notes.strip(), ""] if notes.strip() else []),
-             "## Goals (issue #19)", "", "| goal | bound | measured | verdict |", "|---|---|---|---|"]
+             "## Goals", "", "| goal | bound | measured | verdict |", "|---|---|---|---|"]
     lines += [_goal_line(g) for g in res["goals"]]
     lines += ["", "Keys: `bench/results.json` (`keys`)."]
     for name, (title, fn) in SECTIONS.items():

@@ -2,7 +2,7 @@
 
 Enabled by naming it in ``VLLM_PLUGINS`` (``disagg engine`` does that). On a generate server its
 routes replace vLLM's ``POST /inference/v1/generate`` and it makes sure
-``/inference/v1/abort_requests`` exists whenever generate is served (RFC open question 4). On a
+``/inference/v1/abort_requests`` exists whenever generate is served (docs/protocol.md §2). On a
 render server (``launch render``, which loads endpoint plugins too) it runs derender sessions
 (``sessions.py``). Both report ``GET /disagg/v1/capabilities`` (``capabilities.py``).
 """

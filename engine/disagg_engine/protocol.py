@@ -1,7 +1,7 @@
 """Wire model of ``/inference/v1/generate`` with the engine extension: vLLM's ``GenerateRequest``
 plus ``output_mode="derender"`` (batch and streaming) and its parser context, in both forms:
 
-- ``chat_request``: the client's ``ChatCompletionRequest`` (the RFC's proposal; what batch
+- ``chat_request``: the client's ``ChatCompletionRequest`` (docs/protocol.md §2; what batch
   ``/v1/chat/completions/derender`` takes), sent once per request;
 - ``parse_context``: the slim context vLLM 0.33's ``/render`` emits. As in vLLM 0.33, it is read
   only at ``derender`` and ignored otherwise, so a rendered request can go to a prefill leg as is.

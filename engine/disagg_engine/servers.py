@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-# Environment that works for vLLM's CPU build on small machines (cpu-engine-notes.md §2), shared by
+# Environment that works for vLLM's CPU build on small machines (docs/protocol.md §7), shared by
 # local mode and the test harness. VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's CPU platform from
 # replacing the uniproc executor with the mp one: the worker runs inside the engine-core process
 # (one process fewer per engine: ~0.9 GB and ~14 CPU-s of start-up less), fine with unpinned threads.

@@ -1,4 +1,4 @@
-"""Derender sessions on the render tier (issue 20): one stream's parser state on one render
+"""Derender sessions on the render tier: one stream's parser state on one render
 process for the stream's life, fed the decode engine's token chunks as they arrive.
 
 Wire shape: ``POST /disagg/v1/derender/sessions/chat`` with a streamed body of JSON lines

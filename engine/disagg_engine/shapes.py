@@ -1,6 +1,6 @@
 """Pure reshaping of vLLM's chat output into the generate format for ``output_mode="derender"``.
 
-The RFC (seed 004, "Response shape") keeps one response schema for ``/inference/v1/generate``:
+docs/protocol.md §2: one response schema for ``/inference/v1/generate``:
 generate-only fields keep their place and a choice gains ``message`` (batch) or ``delta``
 (stream), the same objects ``/v1/chat/completions`` returns for the same tokens. No vLLM import.
 """

@@ -1,4 +1,4 @@
-"""The chained stream through a derender session (issue 20; the engine side and its wire shape
+"""The chained stream through a derender session (the engine side and its wire shape
 are ``disagg_engine.sessions``).
 
 A render endpoint that reports ``derender_sessions`` at ``GET /disagg/v1/capabilities`` keeps a

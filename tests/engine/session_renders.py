@@ -1,4 +1,4 @@
-"""Render processes that run the engine extension's derender sessions (issue 20), for the session
+"""Render processes that run the engine extension's derender sessions, for the session
 tests: two, so that one can be killed mid-stream. ``DISAGG_ATTACH_SESSION_RENDERS=<json file: a
 list of {url, pid}>`` attaches to ones already running; otherwise they are started once per test
 session (``launch render`` with ``VLLM_PLUGINS=disagg``, server_set's render role)."""

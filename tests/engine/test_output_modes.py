@@ -1,4 +1,4 @@
-"""Engine extension (RFC seed 004): ``output_mode`` tokens | text | derender on
+"""Engine extension (docs/protocol.md §2): ``output_mode`` tokens | text | derender on
 ``/inference/v1/generate``, batch and streaming, equal to the coupled endpoints and to
 ``/derender(generate(tokens))`` for the same forced tokens, on each vLLM lane.
 

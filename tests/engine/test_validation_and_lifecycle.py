@@ -1,4 +1,4 @@
-"""Engine extension: fail-loud validation (RFC §6 + vLLM 0.33 rules), capabilities, abort cleanup."""
+"""Engine extension: fail-loud validation (docs/protocol.md §2), capabilities, abort cleanup."""
 
 from __future__ import annotations
 

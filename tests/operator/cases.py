@@ -94,7 +94,7 @@ INVALID: tuple[Invalid, ...] = (
             "spec.pools.decode.extraArgs", says=f"extraArgs must not set --tool-call-parser: {OWNED}"),
     Invalid("CPUPoolSpec.extra-args", pools(render={"extraArgs": ["--trust_remote_code"]}), "spec.pools.render.extraArgs",
             says=f"extraArgs must not set --trust-remote-code: {SHARED}"),
-    # Abbreviations argparse would expand, aliases, and --config (issue 17).
+    # Abbreviations argparse would expand, aliases, and --config (docs/security.md, "Engine flags").
     Invalid("CPUPoolSpec.extra-args", pools(derender={"extraArgs": ["--trust-remote"]}), "spec.pools.derender.extraArgs",
             label="abbreviated", says=f"extraArgs must not set --trust-remote (an abbreviation of --trust-remote-code): {SHARED}"),
     Invalid("GPUPoolSpec.extra-args", pools(prefill={"extraArgs": ["--max-num-seqs", "8", "--kv-transfer-conf={}"]}),

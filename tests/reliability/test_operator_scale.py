@@ -1,4 +1,4 @@
-"""500 ``DisaggregatedModel``s created at once (issue #19; `make bench BENCH=operator` also runs
+"""500 ``DisaggregatedModel``s created at once (`make bench BENCH=operator` also runs
 50): every child applied and every status written, within 3× what `kubectl apply --server-side`
 needs for the very same objects in the same run (the benchmark's goal is 2×)."""
 

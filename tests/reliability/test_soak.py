@@ -1,4 +1,4 @@
-"""Soak (issue #19, `make bench BENCH=soak` runs the full 60 s): 200 concurrent chat streams through
+"""Soak (`make bench BENCH=soak` runs the full 60 s): 200 concurrent chat streams through
 one ``disagg sidecar`` process in front of the real servers (render, remote prefill, decode). No
 errors, memory flat after the first seconds, and once the load stops no client connection, request
 or thread left behind. Shorter than the benchmark's and with looser bounds: it runs in `make test`."""

@@ -1,5 +1,5 @@
 """Hostile requests for the sidecar's tests: a raw HTTP client (it sends what no HTTP library
-would) and the bad-input corpus of issue 17, generated deterministically from a seed."""
+would) and the bad-input corpus (docs/security.md, "Sidecar limits"), generated deterministically from a seed."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def _malformed_http(rng: random.Random) -> bytes:
 
 
 def issue_cases() -> list[tuple[str, bytes]]:
-    """The cases issue 17 names."""
+    """The hand-picked cases beside the generated ones (docs/security.md, "Sidecar limits")."""
     chat = json.dumps(VALID_CHAT).encode()
     return [
         ("10,000-level nesting", request(CHAT, b"[" * 10_000 + b"]" * 10_000)),

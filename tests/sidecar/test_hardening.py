@@ -1,4 +1,4 @@
-"""Hostile clients against the real ``disagg sidecar`` process (issue 17): a bad-input corpus,
+"""Hostile clients against the real ``disagg sidecar`` process (docs/security.md, "Sidecar limits"): a bad-input corpus,
 memory per request (peak RSS of the process), slow clients, and error hygiene.
 
 The upstreams are fake recording engines (``support.fake_engine``): the point is to count what

@@ -1,4 +1,4 @@
-"""The per-leg rewrite table (issue 6 §3), pure: what the prefill and decode legs get for the
+"""The per-leg rewrite table (docs/protocol.md §4), pure: what the prefill and decode legs get for the
 GenerateRequest that render produced from a chat or completions request, or that a generate
 client sent, across stream/not, n, min_tokens, stop, logprobs and stream_options."""
 

@@ -1,4 +1,4 @@
-"""The parity matrix (issue 16): every field a chat or completions client can ask for, batch and
+"""The parity matrix: every field a chat or completions client can ask for, batch and
 streamed, n 1 and 2, on the inline path (decode with the engine extension) and the chained path
 (decode answering tokens, the derender tier making the answer), compared field by field with the
 coupled server: content, reasoning, tool-call names and parsed arguments, finish_reason,

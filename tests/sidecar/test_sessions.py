@@ -1,4 +1,4 @@
-"""Derender sessions (issue 20) end to end: a stock decode engine (tokens), the sidecar, and render
+"""Derender sessions end to end: a stock decode engine (tokens), the sidecar, and render
 processes that run the engine extension's sessions, against the coupled server.
 
 The render processes are the session tests' own (``tests/engine/session_renders.py``); decode,

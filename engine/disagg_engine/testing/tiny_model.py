@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 CHAT_TEMPLATE = HERE / "chat_template.jinja"
 SERVED_NAME = "tiny-qwen3"
 
-# Qwen3's special tokens, in id order from 151643 (see cpu-engine-notes.md §3).
+# Qwen3's special tokens, in id order from 151643 (see docs/protocol.md §7).
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
