@@ -6,6 +6,8 @@
 #   docker run --rm ghcr.io/disagg/disagg:0.1.0 --help
 #
 # The Helm chart runs it as `disagg operator ...`; the operator runs it as `disagg sidecar ...`.
+# Without a Docker engine (the local cluster's real node), scripts/disagg-images writes the same
+# content as an OCI archive (disagg.local/disagg:local) from the host's Python and dependency cache.
 
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

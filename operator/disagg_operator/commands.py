@@ -119,9 +119,10 @@ def operator_main(argv: Sequence[str]) -> int:
     if args.metrics_port:
         serve(args.metrics_port, args.metrics_address)
     settings = kopf.OperatorSettings()
-    # Namespaced: watch exactly those namespaces. Scanning would list namespaces and CRDs
-    # cluster-wide, which a namespace-scoped ServiceAccount may not (and retries slow the start).
-    settings.scanning.disabled = bool(args.namespace)
+    # No scanning: it lists namespaces and CRDs cluster-wide, which the chart's least-privilege
+    # accounts may not, and kopf retries the refusals for ~55 s before it reconciles anything (seen
+    # in a real pod). The operator serves one resource, its CRD, installed before it starts.
+    settings.scanning.disabled = True
     kopf.run(
         settings=settings,
         clusterwide=not args.namespace,

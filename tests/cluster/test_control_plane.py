@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import subprocess
+import tempfile
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -303,8 +304,10 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def test_up_down_twice_in_a_separate_state_dir_leaves_nothing_behind(cluster: Cluster, tmp_path: Path) -> None:
-    state = tmp_path / "cluster"
+def test_up_down_twice_in_a_separate_state_dir_leaves_nothing_behind(cluster: Cluster) -> None:
+    # A short path: kubelet's unix sockets under it must stay within 107 bytes, which pytest's
+    # tmp_path (/tmp/pytest-of-root/pytest-NNN/<test name>0/...) exceeds once NNN has 3 digits.
+    state = Path(tempfile.mkdtemp(prefix="disagg-updown-")) / "cluster"
     session_ports = set(cluster.ports.values())
     # One real node per machine: stop the session's, if a test started it (real_node restarts it).
     assert node_script("down", cluster.state_dir, timeout=300).returncode == 0
@@ -359,6 +362,7 @@ def test_up_down_twice_in_a_separate_state_dir_leaves_nothing_behind(cluster: Cl
 
     # The session cluster was not disturbed.
     assert cluster.kubectl("get", "--raw", "/readyz").stdout == "ok"
+    state.parent.rmdir()  # empty: `down` removed the state dir
 
 
 def test_kubectl_errors_carry_output(cluster: Cluster) -> None:

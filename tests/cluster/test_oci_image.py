@@ -47,3 +47,28 @@ def test_archive_is_a_deterministic_oci_layout(tmp_path: Path) -> None:
     assert members["bin/hi"].issym() and members["bin/hi"].linkname == "hello"
     assert members["tmp"].isdir() and members["tmp"].mode == 0o1777
     assert members["bin"].isdir()
+
+
+def test_tree_keeps_links_and_modes_and_env_replaces_the_default(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "opt" / "app" / "bin").mkdir(parents=True)
+    (root / "opt" / "app" / "bin" / "run").write_text("#!/bin/sh\n")
+    (root / "opt" / "app" / "bin" / "run").chmod(0o750)
+    (root / "opt" / "app" / "current").symlink_to("bin")
+    out = tmp_path / "tree.tar"
+    subprocess.run([str(REPO / "scripts" / "oci-image"), "--name", "disagg.local/tree:1", "--out", str(out),
+                    f"--tree=/={root}", "--env=PATH=/opt/app/bin", "--env=HOME=/tmp", "--workdir=/tmp"],
+                   check=True, timeout=60)
+    with tarfile.open(out) as tar:
+        blobs = {m.name.split("/")[-1]: tar.extractfile(m).read()
+                 for m in tar if m.name.startswith("blobs/sha256/") and m.isfile()}
+        [entry] = json.load(tar.extractfile("index.json"))["manifests"]
+    manifest = json.loads(blobs[entry["digest"].split(":")[1]])
+    config = json.loads(blobs[manifest["config"]["digest"].split(":")[1]])["config"]
+    assert config["Env"] == ["PATH=/opt/app/bin", "HOME=/tmp"] and config["WorkingDir"] == "/tmp"
+    (tmp_path / "layer.tar").write_bytes(blobs[manifest["layers"][0]["digest"].split(":")[1]])
+    with tarfile.open(tmp_path / "layer.tar") as tar:
+        members = {m.name: m for m in tar}
+    assert members["opt/app/bin/run"].mode == 0o750 and members["opt/app/bin/run"].isfile()
+    assert members["opt/app/current"].issym() and members["opt/app/current"].linkname == "bin"
+    assert list(members) == sorted(members)

@@ -91,6 +91,34 @@ def test_cluster_ip_service_through_kube_proxy(cluster: Cluster, real_node: str,
     assert cluster.wait_for(answer, f"the ClusterIP {ip} to answer", timeout=60) == "svc-web"
 
 
+def test_pods_resolve_service_names_and_reach_the_api_server(cluster: Cluster, real_node: str, ns: str) -> None:
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "named"},
+               "spec": {"selector": {"app": "named-web"}, "ports": [{"port": 80, "targetPort": "http"}]}}
+    apply(cluster, web_pod("named-web"), web_pod("client"), service, ns=ns)
+    for name in ("named-web", "client"):
+        cluster.wait_for(lambda: ready(cluster, ns, name), f"pod {name} Ready", timeout=60)
+    ip = get_json(cluster, "service", "named", "-n", ns)["spec"]["clusterIP"]
+
+    def in_pod(*cmd: str) -> str | None:
+        proc = cluster.kubectl("exec", "client", "-n", ns, "--", *cmd, check=False)
+        return proc.stdout if proc.returncode == 0 else None
+
+    # CoreDNS answers for Services (short names through the pod's search path) ...
+    out = cluster.wait_for(lambda: in_pod("nslookup", f"named.{ns}.svc.cluster.local"), "DNS answer", timeout=60)
+    assert ip in out
+    assert cluster.wait_for(lambda: in_pod("wget", "-qO-", "http://named/"), "http://named/", timeout=60).strip() \
+        == "named-web"
+    assert "10.96.0.1" in in_pod("nslookup", "kubernetes.default.svc.cluster.local")
+    # ... and for nothing else: no name leaves the machine.
+    assert in_pod("nslookup", "example.com") is None
+    # The `kubernetes` Service leads to the apiserver (TLS checked end to end by the operator pod's
+    # tests, tests/e2e/test_cluster_tiny.py).
+    assert in_pod("sh", "-c", "echo | nc -w 5 10.96.0.1 443") is not None
+    [slice_] = get_json(cluster, "endpointslices", "-n", "default", "-l",
+                        "kubernetes.io/service-name=kubernetes")["items"]
+    assert slice_["endpoints"][0]["addresses"] == [NODE_IP]
+
+
 def test_node_down_while_the_cluster_runs_removes_its_pods_and_leaves_nothing(
     cluster: Cluster, real_node: str, real_node_session: RealNodeSession, ns: str
 ) -> None:

@@ -10,12 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
 from openai import OpenAI
 
 from tests.harness.engine import disagg
-from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
+from tests.harness.coupled import forced_views
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,17 +57,7 @@ def test_completions(client):
 @pytest.mark.parity
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_reasoning_tool_call_equals_the_coupled_reference(engine_set, forcer, client, stream):
-    body = forcer.chat_body("reasoning_tool_call", stream=stream)
-    coupled = requests.post(engine_set.url("coupled") + "/v1/chat/completions", json=body, timeout=120, stream=stream)
-    extra = {"vllm_xargs": body.pop("vllm_xargs")}
-    kwargs = {k: v for k, v in body.items() if k not in ("model", "messages")}
-    got = client.chat.completions.create(model="tiny-qwen3", messages=body["messages"], extra_body=extra, **kwargs)
-    if stream:
-        want = chat_stream_view(sse_events(coupled.iter_lines()))
-        got_view = chat_stream_view([c.model_dump() for c in got] + ["[DONE]"])
-    else:
-        want = chat_view(coupled.json())
-        got_view = chat_view(got.model_dump())
+    got_view, want = forced_views(engine_set, forcer, client, "reasoning_tool_call", stream)
     assert got_view == want
     assert want["choices"][0]["tool_calls"] == [("get_weather", {"city": "東京"})]
 

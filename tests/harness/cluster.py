@@ -298,6 +298,11 @@ def real_node_session(cluster: Cluster) -> Iterator[RealNodeSession]:
 @pytest.fixture
 def real_node(cluster: Cluster, real_node_session: RealNodeSession) -> str:
     """The real kubelet node's name, started on first use (and again if a test stopped it)."""
+    return start_real_node(cluster, real_node_session)
+
+
+def start_real_node(cluster: Cluster, real_node_session: RealNodeSession) -> str:
+    """``scripts/node up`` (idempotent), for fixtures of any scope; the session stops what it started."""
     with _session_lock(cluster.state_dir):
         before = None if (cluster.state_dir / "node").exists() else host_state()
         up = node_script("up", cluster.state_dir)  # idempotent: a healthy node returns at once

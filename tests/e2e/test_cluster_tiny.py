@@ -1,0 +1,201 @@
+"""examples/cluster-tiny.yaml on the real node, the way a user deploys it: the locally built images
+(scripts/disagg-images) imported with ctr, `helm install` of charts/disagg with the operator image,
+`kubectl apply -f` of the example. Every pool then runs real containers behind their real probes, and
+the openai SDK talks to the model through the decode Service's ClusterIP (kube-proxy on this host).
+
+One operator release and one deployment serve every test here (engines take minutes to start on a
+busy 2-core machine); the last test deletes the model."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from openai import OpenAI
+
+from tests.harness.cluster import REAL_NODE, REAL_NODE_TAINT, Cluster, RealNodeSession, start_real_node
+from tests.harness.coupled import forced_views
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "cluster-tiny.yaml"
+CHART = REPO / "charts" / "disagg"
+MODEL = "cluster-tiny"
+POOLS = ("prefill", "decode", "render")
+VOLUMES = ("disagg-host-cache", "disagg-kv-shared")  # scripts/node's PersistentVolumes
+READY_TIMEOUT = float(os.environ.get("DISAGG_CLUSTER_TINY_TIMEOUT", "1200"))  # three engines on 2 busy cores
+
+
+@dataclass
+class Deployed:
+    ns: str
+    operator_ns: str
+    release: str
+    url: str  # the decode Service: http://<ClusterIP>:8000
+
+
+def get(cluster: Cluster, *args: str) -> dict[str, Any]:
+    return yaml.safe_load(cluster.kubectl("get", "-o", "yaml", *args).stdout)
+
+
+def release_volumes(cluster: Cluster) -> None:
+    """Make the node's volumes Available again after an earlier claim was deleted (Retain policy)."""
+    for pv in VOLUMES:
+        if get(cluster, "pv", pv)["status"]["phase"] == "Released":
+            cluster.kubectl("patch", "pv", pv, "--type=json", "-p", '[{"op": "remove", "path": "/spec/claimRef"}]')
+
+
+def pods(cluster: Cluster, ns: str, pool: str | None = None) -> list[dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={MODEL}" + (f",app.kubernetes.io/component={pool}" if pool else "")
+    return get(cluster, "pods", "-n", ns, "-l", selector)["items"]
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+@pytest.fixture(scope="module")
+def images(cluster: Cluster, real_node_session: RealNodeSession) -> dict[str, str]:
+    start_real_node(cluster, real_node_session)
+    t0 = time.monotonic()
+    proc = subprocess.run([str(REPO / "scripts" / "disagg-images"), "--import"], capture_output=True, text=True,
+                          env={**os.environ, "DISAGG_CLUSTER_DIR": str(cluster.state_dir)}, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(f"images built/imported in {time.monotonic() - t0:.0f}s")
+    return dict(line.split() for line in proc.stdout.splitlines())
+
+
+@pytest.fixture(scope="module")
+def operator_ns(cluster: Cluster, images: dict[str, str]) -> Iterator[tuple[str, str]]:
+    ns = cluster.create_namespace("disagg-system")
+    release = f"disagg-e2e-{ns.rsplit('-', 1)[1]}"  # ClusterRole names are per release: unique
+    repo, tag = next(name for name in images if name.startswith("disagg.local/disagg:")).rsplit(":", 1)
+    cluster.helm("install", release, str(CHART), "-n", ns, "--wait", "--timeout", "5m",
+                 "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+                 "--set", f"nodeSelector.kubernetes\\.io/hostname={REAL_NODE}",
+                 "--set", f"tolerations[0].key={REAL_NODE_TAINT}", "--set", "tolerations[0].operator=Exists")
+    yield ns, release
+    cluster.helm("uninstall", release, "-n", ns, "--wait", check=False)
+    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(cluster: Cluster, operator_ns: tuple[str, str]) -> Iterator[Deployed]:
+    ns = cluster.create_namespace("cluster-tiny")
+    release_volumes(cluster)
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+    t0 = time.monotonic()
+
+    def model_ready() -> bool:
+        conditions = get(cluster, "dm", MODEL, "-n", ns).get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    try:
+        try:
+            cluster.wait_for(model_ready, f"DisaggregatedModel {MODEL} Ready", timeout=READY_TIMEOUT, interval=2)
+        except AssertionError:
+            for pod in pods(cluster, ns):
+                for c in pod["spec"]["containers"]:
+                    out = cluster.kubectl("logs", pod["metadata"]["name"], "-n", ns, "-c", c["name"], "--tail=30",
+                                          check=False)
+                    print(f"----- {pod['metadata']['name']}/{c['name']}\n{out.stdout}{out.stderr}")
+            raise
+        print(f"{MODEL} Ready in {time.monotonic() - t0:.0f}s")
+        ip = get(cluster, "service", MODEL, "-n", ns)["spec"]["clusterIP"]
+        yield Deployed(ns, operator_ns[0], operator_ns[1], f"http://{ip}:8000")
+    finally:  # also when it never became Ready: three engines must not outlive the test
+        cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=180s", check=False)
+        release_volumes(cluster)
+
+
+def test_operator_is_a_real_pod_under_its_service_account(cluster: Cluster, tiny: Deployed) -> None:
+    [pod] = get(cluster, "pods", "-n", tiny.operator_ns, "-l", f"app.kubernetes.io/instance={tiny.release}")["items"]
+    assert pod["spec"]["nodeName"] == REAL_NODE and pod["spec"]["serviceAccountName"] == tiny.release
+    [status] = pod["status"]["containerStatuses"]
+    assert status["containerID"].startswith("containerd://") and status["started"] and status["restartCount"] == 0
+    # It reconciled through the in-cluster API (the `kubernetes` Service), as that account.
+    dm = get(cluster, "dm", MODEL, "-n", tiny.ns)
+    [cond] = [c for c in dm["status"]["conditions"] if c["type"] == "Ready"]
+    assert cond["status"] == "True" and cond["observedGeneration"] == dm["metadata"]["generation"]
+    # The chart's least-privilege RBAC covers everything it does (nothing refused, not even once).
+    log = cluster.kubectl("logs", pod["metadata"]["name"], "-n", tiny.operator_ns).stdout
+    assert "Handler 'child-deployments' succeeded" in log and "Forbidden" not in log
+
+
+def test_every_pool_runs_real_containers_ready_through_real_probes(cluster: Cluster, tiny: Deployed) -> None:
+    table = cluster.kubectl("get", "dm", MODEL, "-n", tiny.ns).stdout.splitlines()
+    assert table[1].split()[:4] == [MODEL, "True", "3/3", f"http://{MODEL}.{tiny.ns}.svc:8000"], table
+    for pool in POOLS:
+        [pod] = pods(cluster, tiny.ns, pool)
+        assert pod["spec"]["nodeName"] == REAL_NODE and ready(pod)
+        for status in pod["status"]["containerStatuses"]:
+            assert status["containerID"].startswith("containerd://") and status["ready"], status
+        vllm = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")
+        assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(vllm)
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.fixture(scope="module")
+def client(tiny: Deployed) -> OpenAI:
+    return OpenAI(base_url=tiny.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_answers_through_the_decode_service_equal_the_coupled_reference(
+    engine_set, forcer, client: OpenAI, stream: bool
+) -> None:
+    got_view, want = forced_views(engine_set, forcer, client, "reasoning_tool_call", stream)
+    assert got_view == want
+    assert want["choices"][0]["tool_calls"] == [("get_weather", {"city": "東京"})]
+
+
+def _long_prompt(forcer) -> dict[str, Any]:
+    """A new prompt of several KV blocks: the sidecar sends it to prefill (short ones stay on decode)."""
+    body = forcer.chat_body("plain")
+    body["messages"][0]["content"] = f"{time.time_ns()} a prompt nobody sent before" + " and more words" * 150
+    return body
+
+
+def _counters(url: str) -> dict[str, float]:
+    wanted = {"vllm:external_prefix_cache_hits_total": "hits", "vllm:request_success_total": "done"}
+    totals = dict.fromkeys(wanted.values(), 0.0)
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            totals[wanted[name]] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def test_decode_metrics_show_the_prompt_kv_came_from_prefill(
+    cluster: Cluster, tiny: Deployed, forcer, client: OpenAI
+) -> None:
+    [decode], [prefill] = pods(cluster, tiny.ns, "decode"), pods(cluster, tiny.ns, "prefill")
+    decode_url, prefill_url = (f"http://{p['status']['podIP']}:8200" for p in (decode, prefill))
+    before = {"decode": _counters(decode_url), "prefill": _counters(prefill_url)}
+    body = _long_prompt(forcer)
+    client.chat.completions.create(model="tiny-qwen3", messages=body["messages"], max_tokens=body["max_tokens"],
+                                   extra_body={"vllm_xargs": body["vllm_xargs"],
+                                               "chat_template_kwargs": body["chat_template_kwargs"]})
+    deadline = time.monotonic() + 30
+    while (after := {"decode": _counters(decode_url), "prefill": _counters(prefill_url)})["decode"]["done"] \
+            < before["decode"]["done"] + 1:
+        assert time.monotonic() < deadline, "decode never counted the request"
+        time.sleep(0.2)
+    assert after["prefill"]["done"] == before["prefill"]["done"] + 1
+    assert after["decode"]["hits"] > before["decode"]["hits"]
+
+
+def test_deleting_the_model_removes_every_pod(cluster: Cluster, tiny: Deployed) -> None:
+    # Last: it takes the deployment down.
+    cluster.kubectl("delete", "dm", MODEL, "-n", tiny.ns, "--wait=true", "--timeout=120s")
+    cluster.wait_for(lambda: not pods(cluster, tiny.ns), "every pod of the model gone", timeout=300, interval=1)
+    assert not get(cluster, "deployments", "-n", tiny.ns, "-l", f"app.kubernetes.io/instance={MODEL}")["items"]
