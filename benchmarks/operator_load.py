@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.procs import cpu_seconds, rss_mb
-from disagg_operator.objects import build_objects, names
+from disagg_operator import names
+from disagg_operator.objects import build_objects
 from tests.harness.cluster import Cluster, ClusterError, _release, _session_lock, _start_or_reuse, default_state_dir
 from tests.harness.operator import OperatorProcess
 from tests.operator.cases import base
