@@ -184,9 +184,11 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    reasons = request.app[STATE].not_ready()
-    if reasons:
+    state = request.app[STATE]
+    if reasons := state.not_ready():
         return web.json_response({"status": "not ready", "reasons": reasons}, status=503)
+    if degraded := state.degraded():
+        return web.json_response({"status": "ready", "degraded": degraded})
     return web.json_response({"status": "ready"})
 
 

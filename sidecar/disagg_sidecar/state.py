@@ -84,13 +84,21 @@ class SidecarState:
         return tuple(tiers)
 
     def not_ready(self) -> list[str]:
-        """Why the sidecar is not ready (empty: ready)."""
-        reasons = [f"{t} unreachable" for t in self.tiers() if not self.healthy.get(t)]
+        """Why the sidecar is not ready (empty: ready). An unreachable prefill pool under
+        ``failure_policy: fallback`` only degrades it (decode prefills), so it stays ready."""
+        reasons = [f"{t} unreachable" for t in self.tiers() if not self.healthy.get(t) and t not in self._optional()]
         if self.healthy.get("decode") and not self.decode_serving:
             reasons.append("decode failing (5xx)")
         if self.draining:
             reasons.append("draining")
         return reasons
+
+    def degraded(self) -> list[str]:
+        """Tiers that are down without making the sidecar unready."""
+        return [f"{t} unreachable" for t in self._optional() if t in self.tiers() and not self.healthy.get(t)]
+
+    def _optional(self) -> tuple[str, ...]:
+        return ("prefill",) if self.config.prefill.failure_policy == "fallback" else ()
 
     def full(self) -> bool:
         return self.in_flight >= self.config.limits.max_concurrent_requests

@@ -59,7 +59,12 @@ def test_prefill_server_killed(engine_set, forcer, doomed_engines) -> None:
         assert list(sse_events(streamed.iter_lines()))[-1] == "[DONE]"
         assert a.metric("disagg_sidecar_prefill_total", outcome="fallback") == 2
         assert a.metric("disagg_sidecar_leg_errors_total", leg="prefill", kind="connect") >= 2
+        # ...and it stays ready (decode can serve alone), reporting the prefill pool as degraded;
+        # under failure_policy fail the dead prefill pool makes it unready.
         assert wait_for(lambda: "prefill unreachable" in requests.get(a.url + "/health", timeout=5).json()
+                        .get("degraded", []), timeout=10)
+        assert requests.get(a.url + "/health", timeout=5).status_code == 200
+        assert wait_for(lambda: "prefill unreachable" in requests.get(b.url + "/health", timeout=5).json()
                         .get("reasons", []), timeout=10)
 
         # fail: an OpenAI-shaped 503, no decode leg.
