@@ -16,7 +16,7 @@ help:
 	@echo "make demo          run a DisaggregatedModel locally and stream one chat answer"
 	@echo "                   (DEMO_ARGS=--keep leaves it running: disagg status / disagg down)"
 	@echo "make test          set up what is missing, run the whole suite"
-	@echo "make bench         set up what is missing, run the benchmarks, write bench/ (BENCH=proxy|derender|serve|operator|soak)"
+	@echo "make bench         set up what is missing, run the benchmarks, write bench/ (BENCH=proxy|derender|serve|operator|soak|prefix)"
 	@echo "make setup         venv + project + CPU vLLM (0.32, and the 0.33 lane) + tiny test model (idempotent)"
 	@echo "make cluster-up    start the local Kubernetes control plane (.cluster/kubeconfig)"
 	@echo "make cluster-down  stop it (and the real node, if up)"

@@ -41,6 +41,9 @@ GOALS = (
          "<=", 2.0, "×"),
     Goal("soak errors", "soak_errors", "<=", 0, ""),
     Goal("soak: sidecar RSS growth between 10 s and the end", "soak_rss_growth_ratio", "<=", 0.10, "×"),
+    Goal("prefix-affinity: prefill prefix-cache hit rate minus least-requests'", "prefix_hit_rate_gain", ">=", 0.05, ""),
+    Goal("prefix-affinity: prefill requests, busiest engine vs idlest (per round)", "prefix_imbalance_prefix_affinity",
+         "<=", 2.0, "×"),
 )
 
 

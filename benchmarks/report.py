@@ -11,7 +11,7 @@ from typing import Any
 from benchmarks.goals import check_all
 from benchmarks.stats import fmt, fmt_spread
 
-ORDER = ("proxy", "derender", "serve", "operator", "soak")
+ORDER = ("proxy", "derender", "serve", "operator", "soak", "prefix")
 
 
 def load_parts(out: Path) -> dict[str, dict[str, Any]]:
@@ -158,9 +158,22 @@ def _soak(r: dict[str, Any]) -> list[str]:
             f"(back to base {fmt(k['soak_settle_seconds'], 1)} s after the last stream)."]
 
 
+def _prefix(r: dict[str, Any]) -> list[str]:
+    k = r["keys"]
+    lines = [f"{r['conversations']} conversations × {r['turns']} turns ({r['answer_tokens']}-token answers, a shared "
+             f"system prompt), all conversations' next turn at once, through one sidecar in front of two prefill "
+             f"engines; {r['rounds']} rounds, the sides alternating, fresh conversations per side and round. Prefix-cache "
+             f"hit rate (prefill engines, tokens): **prefix-affinity {fmt(k['prefix_hit_rate_prefix_affinity'])}** vs "
+             f"least-requests {fmt(k['prefix_hit_rate_least_requests'])}; {k['prefix_errors']} errors.", "",
+             "| round | selection | hit rate | requests per prefill engine |", "|---|---|---|---|"]
+    for i, x in enumerate(r["runs"]):
+        lines.append(f"| {i // 2} | {x['selection']} | {fmt(x['hit_rate'])} | {x['requests_per_engine']} |")
+    return lines
+
+
 SECTIONS = {"proxy": ("1. Proxy overhead", _proxy), "derender": ("2. Derender cost vs output length", _derender),
             "serve": ("3. Real load client: vllm bench serve", _serve), "operator": ("4. Operator", _operator),
-            "soak": ("5. Soak", _soak)}
+            "soak": ("5. Soak", _soak), "prefix": ("6. Prefix-aware prefill selection", _prefix)}
 
 
 def markdown(parts: dict[str, dict[str, Any]], res: dict[str, Any], plots: list[str], notes: str = "") -> str:

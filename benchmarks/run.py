@@ -25,12 +25,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench"
 PARTS = {"proxy": "benchmarks.proxy", "derender": "benchmarks.derender", "serve": "benchmarks.serve",
-         "operator": "benchmarks.operator_load", "soak": "benchmarks.soak"}
+         "operator": "benchmarks.operator_load", "soak": "benchmarks.soak", "prefix": "benchmarks.prefix"}
 QUICK: dict[str, Any] = {
     "derender.lengths": (64, 256), "derender.rounds": 1,
     "proxy.concurrency": (1, 4), "proxy.requests": 8, "proxy.rounds": 1, "proxy.chunk_tokens": 64, "proxy.profile_seconds": 5,
     "serve.concurrency": (4,), "serve.prompts": 8, "serve.rounds": 1,
     "operator.counts": (5,), "soak.streams": 10, "soak.seconds": 12, "derender.nocoalesce_max": 256,
+    "prefix.conversations": 4, "prefix.turns": 3, "prefix.rounds": 1,
 }
 
 
