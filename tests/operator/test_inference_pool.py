@@ -185,3 +185,12 @@ def test_models_without_the_pool_never_ask_for_the_crd() -> None:
         def serves(self, kind: Kind) -> bool:
             raise AssertionError("asked about " + kind.kind)
     assert converge(doc(full_spec()), {}, NoDiscovery(crd=False), now=T0).unavailable == []
+
+
+def test_toggling_changes_the_member_pools_hash_only() -> None:
+    """Labels dropped from a template look like no drift to a comparison of our fields; the config
+    hash is what makes the operator re-apply decode and prefill when the pool is turned off."""
+    def hashes(plan: Plan) -> dict[Role, str]:
+        return {p.role: p.config_hash for p in plan.pools}
+    on, off = hashes(plan_of(enabled())), hashes(plan_of(full_spec()))
+    assert {r for r in on if on[r] != off[r]} == {Role.DECODE, Role.PREFILL}

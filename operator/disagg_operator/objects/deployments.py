@@ -160,9 +160,7 @@ def deployment(plan: Plan, pool: PoolPlan, owner: dict[str, Any] | None = None) 
         "strategy": _strategy(pool),
         "template": {
             "metadata": {
-                "labels": {**names.labels(plan.name, pool.role), **(
-                    names.inference_pool_labels(plan.name, pool.role)
-                    if plan.spec.router.inference_pool.enabled and pool.role in (Role.DECODE, Role.PREFILL) else {})},
+                "labels": {**names.labels(plan.name, pool.role), **dict(pool.pod_labels)},
                 "annotations": {names.CONFIG_HASH: pool.config_hash},
             },
             "spec": pod,
