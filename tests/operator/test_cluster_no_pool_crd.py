@@ -11,6 +11,7 @@ import pytest
 from disagg_operator.kinds import INFERENCE_POOL
 from tests.harness.cluster import Cluster
 from tests.harness.operator import OperatorProcess
+from tests.operator.cases import merged
 from tests.operator.pool_cluster import enable, install_pool_crd, pool, remove_pool_crd
 from tests.operator.test_cluster import example, get, wait_ready
 from disagg_operator.handlers import UNAVAILABLE_RETRY_SECONDS
@@ -37,9 +38,13 @@ def pool_condition(cluster: Cluster, ns: str, name: str) -> dict[str, str] | Non
 def test_missing_crd_is_a_condition_and_other_models_are_served(
         cluster: Cluster, operator_without_pools: OperatorProcess, ns: str) -> None:
     op = operator_without_pools
+    # Small pools: the kwok nodes' GPUs are shared with the other model.
+    small = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}, "render": {"replicas": 0}}
     plain = example()
     plain["metadata"]["name"] = "plain"
+    plain["spec"]["pools"] = merged(plain["spec"]["pools"], small)
     wanting = enable(example())
+    wanting["spec"]["pools"] = merged(wanting["spec"]["pools"], small)
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                                     "items": [plain, wanting]}))
     wait_ready(cluster, op, ns, "plain")
