@@ -15,7 +15,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from disagg_operator import names
-from disagg_operator.kinds import BY_TYPE
+from disagg_operator.kinds import BY_TYPE, Kind
 from disagg_operator.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = names.OPERATOR
@@ -62,21 +62,25 @@ class KubeApi:
         configuration.connection_pool_maxsize = connections
         return cls(client.ApiClient(configuration))
 
-    def _method(self, obj_or_type: tuple[str, str], verb: str) -> Any:
-        kind = BY_TYPE[obj_or_type]
+    def _call(self, obj: Mapping[str, Any], verb: str, *args: Any, **kwargs: Any) -> Any:
+        """``<verb>_<kind's suffix>`` for ``obj``'s name and namespace (custom kinds: and group/version/plural)."""
+        kind = BY_TYPE[(obj["apiVersion"], obj["kind"])]
         if kind.client not in self._apis:
             self._apis[kind.client] = getattr(client, kind.client)(self._client)
-        return getattr(self._apis[kind.client], f"{verb}_{kind.method_suffix}")
+        method = getattr(self._apis[kind.client], f"{verb}_{kind.method_suffix}")
+        meta = obj["metadata"]
+        if kind.custom:
+            group, _, version = kind.api_version.rpartition("/")
+            return method(group, version, meta["namespace"], kind.plural, meta["name"], *args, **kwargs)
+        return method(meta["name"], meta["namespace"], *args, **kwargs)
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply ``obj``; returns the live object."""
         meta = obj["metadata"]
         what = f"apply {obj['kind']} {meta['namespace']}/{meta['name']}"
         try:
-            response = self._method((obj["apiVersion"], obj["kind"]), "patch")(
-                meta["name"], meta["namespace"], dict(obj), field_manager=FIELD_MANAGER, force=True,
-                _content_type=APPLY, _preload_content=False,
-            )
+            response = self._call(obj, "patch", dict(obj), field_manager=FIELD_MANAGER, force=True,
+                                  _content_type=APPLY, _preload_content=False)
         except ApiException as exc:
             raise _error(exc, what) from None
         return json.loads(response.data)
@@ -87,11 +91,24 @@ class KubeApi:
         body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=meta["uid"]),
                                       propagation_policy="Background")
         try:
-            self._method((obj["apiVersion"], obj["kind"]), "delete")(
-                meta["name"], meta["namespace"], body=body, _preload_content=False)
+            self._call(obj, "delete", body=body, _preload_content=False)
         except ApiException as exc:
             if exc.status not in (404, 409):  # 409: a newer object with that name exists; not ours to delete
                 raise _error(exc, f"delete {obj['kind']} {meta['namespace']}/{meta['name']}") from None
+
+    def serves(self, kind: Kind) -> bool:
+        """Whether the API server serves ``kind`` (a custom resource's CRD is installed): API discovery,
+        which every authenticated client may read."""
+        if not kind.custom:
+            return True
+        group, _, version = kind.api_version.rpartition("/")
+        try:
+            response = client.CustomObjectsApi(self._client).get_api_resources(group, version, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise _error(exc, f"discover {kind.api_version}") from None
+        return any(r.get("name") == kind.plural for r in json.loads(response.data).get("resources") or [])
 
     def model_exists(self, namespace: str, name: str, uid: str) -> bool:
         """Whether this very DisaggregatedModel (same uid) still exists."""

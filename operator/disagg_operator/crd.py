@@ -156,6 +156,11 @@ def status_schema() -> dict[str, Any]:
             },
             "readyPools": {"type": "string", "description": "Ready pools / active pools."},
             "pools": {"type": "object", "additionalProperties": pool},
+            "inferencePool": {
+                "type": "object", "description": "The InferencePool written for router.inferencePool.",
+                "properties": {"name": {"type": "string"}, "targetPort": {"type": "integer"},
+                               "selector": {"type": "object", "additionalProperties": {"type": "string"}}},
+            },
             "conditions": {
                 "type": "array", "items": condition,
                 "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],

@@ -31,6 +31,7 @@ from disagg_operator.status import status_patch
 
 CHILD_FILTER = {names.MANAGED_BY: names.OPERATOR, names.INSTANCE: kopf.PRESENT}
 RETRY_SECONDS = 10
+UNAVAILABLE_RETRY_SECONDS = 60
 WORKERS = 32  # threads for sync handlers, and API connections to match
 
 
@@ -51,6 +52,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # The status each model was last given by this process. The models index may lag behind our
     # own writes; diffing against it would repeat writes during bursts of child events.
     memo.statuses = {}
+    memo.unavailable = {}  # (namespace, name) -> CRDs its spec needs that the cluster lacks (last converge)
     memo.status_writer = StatusWriter()
 
 
@@ -129,8 +131,11 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, models: kopf.
         raise kopf.PermanentError(outcome.invalid)  # retrying cannot fix the spec; the next edit will
     # Status goes through the same per-model writer as child events, which recomputes it from the
     # live state when it writes: a status computed here could otherwise land after a fresher one.
+    memo.unavailable[(meta["namespace"], meta["name"])] = tuple(outcome.unavailable)
     memo.status_writer.submit((meta["namespace"], meta["name"]),
                               lambda: _refresh_status(meta["namespace"], meta["name"], memo, models, children))
+    if outcome.unavailable:  # reported in the status; try again in case the CRD gets installed
+        raise kopf.TemporaryError(f"CRDs not installed: {', '.join(outcome.unavailable)}", delay=UNAVAILABLE_RETRY_SECONDS)
 
 
 # --- the children ------------------------------------------------------------------------------
@@ -174,7 +179,8 @@ def _refresh_status(namespace: str, name: str, memo: kopf.Memo, models: kopf.Ind
     known = memo.statuses.get(key)  # what we last wrote; the index may not show it yet
     if known is not None and known.get("observedGeneration") == doc["metadata"].get("generation"):
         doc = {**doc, "status": {**(doc.get("status") or {}), **known}}
-    status = model_status(doc, _live(children, namespace, name), now=_now())
+    status = model_status(doc, _live(children, namespace, name), now=_now(),
+                          unavailable=memo.unavailable.get(key, ()))
     if status is None:
         return
     changes = status_patch(doc.get("status"), status)

@@ -1,4 +1,9 @@
-"""Every kind of object the operator may own: one table that ordering, watching and API calls read."""
+"""Every kind of object the operator may own: one table that ordering, watching and API calls read.
+
+Built-in kinds have a typed client class; a custom resource (``CustomObjectsApi``) is addressed by
+group, version and plural instead, and its CRD may be missing from a cluster (``optional``): the
+operator then reports that on the models that need it and serves every other model as usual.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,19 @@ class Kind:
     api_version: str
     kind: str
     plural: str
-    client: str  # the kubernetes client's typed API class
+    client: str  # the kubernetes client's API class
     method_suffix: str  # its methods are `<verb>_<suffix>` (patch_..., delete_...)
+    optional: bool = False  # a custom resource whose CRD a cluster may not have
+
+    @property
+    def custom(self) -> bool:
+        """Addressed as (group, version, namespace, plural, name) rather than (name, namespace)."""
+        return self.client == "CustomObjectsApi"
+
+    @property
+    def crd(self) -> str:
+        """The CustomResourceDefinition's name, e.g. inferencepools.inference.networking.k8s.io."""
+        return f"{self.plural}.{self.api_version.rpartition('/')[0]}"
 
     @property
     def resource(self) -> tuple[str, ...]:
@@ -20,6 +36,9 @@ class Kind:
         group, _, version = self.api_version.rpartition("/")
         return (group, version, self.plural) if group else (version, self.plural)
 
+
+INFERENCE_POOL = Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools", "CustomObjectsApi",
+                      "namespaced_custom_object", optional=True)
 
 # In apply order: what a pod mounts or uses exists first.
 MANAGED_KINDS: tuple[Kind, ...] = (
@@ -36,6 +55,7 @@ MANAGED_KINDS: tuple[Kind, ...] = (
          "namespaced_horizontal_pod_autoscaler"),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", "PolicyV1Api",
          "namespaced_pod_disruption_budget"),
+    INFERENCE_POOL,  # after the pods it selects
 )
 BY_TYPE: Mapping[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in MANAGED_KINDS}
 APPLY_ORDER: Mapping[str, int] = {k.kind: i for i, k in enumerate(MANAGED_KINDS)}

@@ -44,6 +44,7 @@ class KVPlan:
     shared_claim: str | None
     side_channel_port: int  # the first rank's, when the connector has a side channel
     min_prompt_tokens: int  # shorter prompts skip the prefill pool
+    block_tokens: int  # the engines' KV block size (the largest, if pools differ)
 
     @property
     def name(self) -> str | None:
@@ -86,4 +87,5 @@ def kv_plan(spec: DisaggregatedModelSpec, *, disaggregated: bool, shared_path: s
         engine_module=connector.engine_module if connector and engine_package else None,
         shared_path=path, shared_claim=kv.shared_storage_claim if path else None,
         side_channel_port=kv.side_channel_port, min_prompt_tokens=connector.min_prompt_tokens(block) if connector else 0,
+        block_tokens=block,
     )

@@ -25,6 +25,8 @@ COMPONENT = "app.kubernetes.io/component"
 PART_OF = "app.kubernetes.io/part-of"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 POOL = "disagg.dev/pool"
+INFERENCE_POOL = "disagg.dev/inference-pool"  # only on pods of an enabled InferencePool
+LLM_D_ROLE = "llm-d.ai/role"  # what llm-d's P/D filters select prefill and decode pods by
 CONFIG_HASH = "disagg.dev/config-hash"
 
 APP = "disagg"
@@ -81,6 +83,16 @@ def labels(model: str, component: str) -> dict[str, str]:
 def selector(model: str, role: Role) -> dict[str, str]:
     """Pod selector of a pool; never changes for a given model (Deployment selectors are immutable)."""
     return {NAME: APP, INSTANCE: model, POOL: str(role)}
+
+
+def inference_pool_selector(model: str) -> dict[str, str]:
+    """The InferencePool's selector: this model's decode and prefill pods, only while it is enabled."""
+    return {NAME: APP, INSTANCE: model, INFERENCE_POOL: "member"}
+
+
+def inference_pool_labels(model: str, role: Role) -> dict[str, str]:
+    """Pod template labels of a decode or prefill pod in an InferencePool (never in a Deployment selector)."""
+    return {**inference_pool_selector(model), LLM_D_ROLE: str(role)}
 
 
 def owned_selector(model: str) -> str:

@@ -106,7 +106,8 @@ class Plan:
 def _sidecar_config(spec: DisaggregatedModelSpec, served_name: str, kv: KVPlan, render_tier: bool,
                     endpoints: sidecar_config.Endpoints, listen: Listen) -> SidecarConfig:
     return sidecar_config.build(spec, served_name=served_name, endpoints=endpoints, kv_connector=kv.name,
-                                prefill_tokens_only=render_tier, listen=listen, min_prompt_tokens=kv.min_prompt_tokens)
+                                prefill_tokens_only=render_tier, listen=listen, min_prompt_tokens=kv.min_prompt_tokens,
+                                block_tokens=kv.block_tokens)
 
 
 def _active(pool: PoolSpec | None) -> bool:

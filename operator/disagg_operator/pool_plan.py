@@ -99,6 +99,7 @@ class PoolPlan:
     startup_seconds: int
     config_hash: str
     health_path: str = HEALTH_PATH
+    pod_labels: tuple[tuple[str, str], ...] = ()  # beyond names.labels: an InferencePool's membership
 
     def server_args(self, model: ModelSource, *, model_arg: str | None = None, port: int | None = None,
                     host: str = "0.0.0.0") -> list[str]:

@@ -100,6 +100,10 @@ def _pool_plan(i: PoolInputs, role: Role, pool: PoolSpec, launcher: Launcher, ar
     }
     if role == Role.DECODE:  # the sidecar lives in decode pods: its config rolls them too
         effective["sidecar"] = [spec.router.image, i.sidecar, spec.router.resources]
+    pod_labels = (names.inference_pool_labels(i.name, role)
+                  if spec.router.inference_pool.enabled and role in (Role.DECODE, Role.PREFILL) else {})
+    if pod_labels:  # in the hash: labels dropped from a template are no drift, a changed hash is
+        effective["podLabels"] = pod_labels
     return PoolPlan(
         role=role, name=names.pool_name(i.name, role), replicas=pool.replicas, launcher=launcher,
         image=effective["image"], image_pull_policy=spec.engine.image_pull_policy, gpu=gpu,
@@ -109,6 +113,7 @@ def _pool_plan(i: PoolInputs, role: Role, pool: PoolSpec, launcher: Launcher, ar
         node_selector=pool.node_selector, tolerations=tuple(pool.tolerations) if pool.tolerations else None,
         affinity=pool.affinity, autoscaling=_autoscaling(pool),
         startup_seconds=GPU_STARTUP_SECONDS if gpu else CPU_STARTUP_SECONDS, config_hash=config_hash(effective),
+        pod_labels=tuple(pod_labels.items()),
     )
 
 

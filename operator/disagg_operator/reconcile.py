@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from disagg_operator import drift, names
+from disagg_operator.kinds import BY_TYPE, Kind
 from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, build_plan
 from disagg_operator.manifest import parse_manifest
@@ -27,6 +28,8 @@ class Api(Protocol):
 
     def delete(self, obj: Mapping[str, Any]) -> None: ...
 
+    def serves(self, kind: Kind) -> bool: ...
+
 
 @dataclass
 class Outcome:
@@ -34,6 +37,7 @@ class Outcome:
     pruned: list[str] = field(default_factory=list)
     invalid: str | None = None  # the spec cannot be served (nothing was applied) ...
     invalid_status: dict[str, Any] | None = None  # ... and the status that says so
+    unavailable: list[str] = field(default_factory=list)  # CRDs the spec needs that the cluster lacks
 
 
 def _label(obj: Mapping[str, Any]) -> str:
@@ -89,6 +93,10 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
 
     current = {k: v for k, v in live.items() if drift.owned_by(v, meta["uid"])}
     outcome = Outcome()
+    optional = {BY_TYPE[(o["apiVersion"], o["kind"])] for o in desired} - {k for k in BY_TYPE.values() if not k.optional}
+    missing = {kind for kind in optional if not api.serves(kind)}
+    outcome.unavailable = sorted(kind.crd for kind in missing)
+    desired = [o for o in desired if BY_TYPE[(o["apiVersion"], o["kind"])] not in missing]
     for obj in drift.to_apply(desired, current):
         _, wrote = _apply(api, obj, current.get(drift.key_of(obj)))
         if wrote:
@@ -99,8 +107,10 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
     return outcome
 
 
-def model_status(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]], *, now: str) -> dict[str, Any] | None:
-    """The status ``doc`` should have given its live children (None when its spec is invalid)."""
+def model_status(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]], *, now: str,
+                 unavailable: tuple[str, ...] = ()) -> dict[str, Any] | None:
+    """The status ``doc`` should have given its live children (None when its spec is invalid);
+    ``unavailable``: the CRDs its last ``converge`` found missing."""
     try:
         plan, _ = _desired(doc)
     except SpecError:
@@ -108,7 +118,7 @@ def model_status(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, A
     deployments = {key[3]: obj for key, obj in live.items()
                    if key[1] == "Deployment" and drift.owned_by(obj, doc["metadata"]["uid"])}
     return compute_status(plan, deployments, generation=int(doc["metadata"].get("generation") or 0),
-                          previous=doc.get("status") or {}, now=now)
+                          previous=doc.get("status") or {}, now=now, unavailable=unavailable)
 
 
 def restore_child(doc: Mapping[str, Any], child: Mapping[str, Any], deleted: bool, api: Api) -> list[str]:

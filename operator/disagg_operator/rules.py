@@ -262,6 +262,14 @@ RULES: tuple[Rule, ...] = (
         lambda t: min(t.connect_seconds, t.render_seconds, t.prefill_seconds, t.decode_seconds) > 0,
     ),
     Rule(
+        "router.min-prefill-tokens", "RouterSpec", "self.minPrefillTokens >= 0",
+        "router.minPrefillTokens must not be negative", lambda r: r.min_prefill_tokens >= 0, ".minPrefillTokens",
+    ),
+    Rule(
+        "endpoint-picker.port", "EndpointPicker", _cel_port("port", 1),
+        "router.inferencePool.endpointPicker.port must be between 1 and 65535", lambda p: _port(p.port, 1), ".port",
+    ),
+    Rule(
         "router.service-port", "RouterService", _cel_port("port", 1),
         "router.service.port must be between 1 and 65535", lambda s: _port(s.port, 1), ".port",
     ),

@@ -57,17 +57,21 @@ def _tier(url: str | None) -> Tier:
 
 def build(
     spec: DisaggregatedModelSpec, *, served_name: str, endpoints: Endpoints, kv_connector: str | None,
-    prefill_tokens_only: bool, listen: Listen, min_prompt_tokens: int = 0,
+    prefill_tokens_only: bool, listen: Listen, min_prompt_tokens: int = 0, block_tokens: int = 16,
 ) -> SidecarConfig:
+    """``min_prompt_tokens``: the shortest prompt the KV connector carries; ``block_tokens``: the
+    engines' KV block size."""
     router = spec.router
+    pool = router.inference_pool.enabled  # an endpoint picker names prefill pods at the sidecar's port
     if endpoints.prefill_discovery is None:
         prefill = Prefill(mode="local")
     else:
         prefill = Prefill(
             mode="remote", discovery=endpoints.prefill_discovery, selection=router.prefill_selection,
-            trust_prefiller_header=router.trust_prefiller_header, failure_policy=router.prefill_failure_policy,
-            # Shorter prompts: the KV connector cannot carry them.
-            **({"min_prompt_tokens": min_prompt_tokens} if min_prompt_tokens else {}),
+            affinity_block_tokens=block_tokens, trust_prefiller_header=router.trust_prefiller_header or pool,
+            failure_policy=router.prefill_failure_policy, **({"pool_port": router.port} if pool else {}),
+            # Shorter prompts: the KV connector cannot carry them, or the user finds decode cheaper.
+            **({"min_prompt_tokens": shortest} if (shortest := max(min_prompt_tokens, router.min_prefill_tokens)) else {}),
         )
     t = router.timeouts
     return SidecarConfig(

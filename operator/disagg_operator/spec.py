@@ -217,12 +217,33 @@ class RouterService(WireModel):
     port: int = 8000
 
 
+class EndpointPicker(WireModel):
+    """The endpoint picker Service (llm-d's EPP) the InferencePool names."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    port: int = Field(description="The picker's gRPC (ext-proc) port.")
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+
+class InferencePoolSpec(WireModel):
+    """An InferencePool (inference.networking.k8s.io/v1) of this model's decode and prefill pods (docs/llm-d.md)."""
+
+    enabled: bool = Field(False, description="Write the InferencePool, label decode and prefill pods with "
+                          "llm-d.ai/role, and trust the picker's x-prefiller-host-port header.")
+    endpoint_picker: EndpointPicker | None = Field(None, description="spec.endpointPickerRef (a Service).")
+
+
 class RouterSpec(WireModel):
     """The sidecar in every decode pod: routes render → prefill → decode → derender."""
 
     image: ShortString = DEFAULT_SIDECAR_IMAGE
     port: int = Field(8000, description="Port the sidecar listens on in the decode pod.")
-    prefill_selection: Literal["round-robin", "random", "least-requests"] = "round-robin"
+    prefill_selection: Literal["prefix-affinity", "least-requests", "round-robin", "random"] = Field(
+        "prefix-affinity", description="prefix-affinity: the prefill pod that last took the prompt's leading KV "
+        "blocks, bounded by load (least-requests for legs without prompt tokens).")
+    min_prefill_tokens: int = Field(0, description="Shorter prompts skip the prefill leg (decode prefills); "
+                                    "the KV connector's own minimum applies when larger.")
+    inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)
     trust_prefiller_header: bool = Field(
         False, description="Honour a client's x-prefiller-host-port header (only for hosts in this model's prefill pool)."
     )

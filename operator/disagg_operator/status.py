@@ -14,7 +14,9 @@ ConfigConsistent   True when every active pool's pods all run the current config
 Progressing        True while a pool rolls out or scales (RollingOut / Scaling); else Stable.
 Degraded           True when a pool's rollout failed (ProgressDeadlineExceeded, ReplicaFailure) or the
                    spec cannot be served (InvalidSpec). Else AsExpected.
-Ready              True when every pool condition is True and nothing is Degraded.
+InferencePoolReady Only with spec.router.inferencePool.enabled: True when the InferencePool is applied;
+                   False with reason CRDNotInstalled when the cluster lacks its CRD.
+Ready              True when every pool condition (and InferencePoolReady) is True and nothing is Degraded.
 =================  ===========================================================================
 """
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import names
+from disagg_operator.kinds import INFERENCE_POOL
 from disagg_operator.names import Role
 from disagg_operator.plan import Plan
 from disagg_operator.pool_plan import PoolPlan
@@ -33,8 +36,9 @@ POOL_CONDITIONS: Mapping[Role, str] = {
     Role.PREFILL: "PrefillReady", Role.DECODE: "DecodeReady", Role.RENDER: "RenderReady",
     Role.DERENDER: "DerenderReady",
 }
-CONDITION_ORDER = ("Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "ConfigConsistent",
-                   "Progressing", "Degraded")
+CONDITION_ORDER = ("Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "InferencePoolReady",
+                   "ConfigConsistent", "Progressing", "Degraded")
+INFERENCE_POOL_CRD = INFERENCE_POOL.crd
 
 
 @dataclass(frozen=True)
@@ -117,8 +121,19 @@ def _summary(roles: Sequence[Role]) -> str:
     return ", ".join(str(r) for r in roles)
 
 
-def conditions_for(plan: Plan, states: Sequence[PoolState]) -> list[Condition]:
+def _inference_pool_condition(plan: Plan, unavailable: Sequence[str]) -> Condition:
+    if INFERENCE_POOL_CRD in unavailable:
+        return Condition("InferencePoolReady", False, "CRDNotInstalled",
+                         f"router.inferencePool is enabled but the cluster has no {INFERENCE_POOL_CRD} CRD: "
+                         "install it (docs/llm-d.md); the operator retries")
+    return Condition("InferencePoolReady", True, "Applied",
+                     f"InferencePool {plan.name} selects the decode and prefill pods at port {plan.sidecar.port}")
+
+
+def conditions_for(plan: Plan, states: Sequence[PoolState], unavailable: Sequence[str] = ()) -> list[Condition]:
     conds = [_pool_condition(s) for s in states]
+    if plan.spec.router.inference_pool.enabled:
+        conds.append(_inference_pool_condition(plan, unavailable))
     if plan.derender_shared:
         render = next(c for c in conds if c.type == POOL_CONDITIONS[Role.RENDER])
         conds.append(Condition(POOL_CONDITIONS[Role.DERENDER], render.status, "SharedWithRender",
@@ -182,11 +197,12 @@ def render_conditions(conditions: Sequence[Condition], previous: Sequence[Mappin
 
 def compute_status(
     plan: Plan, deployments: Mapping[str, Mapping[str, Any]], *, generation: int,
-    previous: Mapping[str, Any] | None, now: str,
+    previous: Mapping[str, Any] | None, now: str, unavailable: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The status subresource for ``plan`` given the live Deployments (by name)."""
+    """The status subresource for ``plan`` given the live Deployments (by name); ``unavailable``: the
+    CRDs the last convergence found missing."""
     states = [observe_pool(pool, deployments.get(pool.name)) for pool in plan.pools]
-    conditions = conditions_for(plan, states)
+    conditions = conditions_for(plan, states, unavailable)
     previous = previous or {}
     ready_pools = sum(1 for s in states if s.is_ready)
     return {
@@ -200,8 +216,17 @@ def compute_status(
                           "availableReplicas": s.available, "configHash": pool.config_hash}
             for s, pool in zip(states, plan.pools)
         },
+        "inferencePool": _inference_pool(plan, unavailable),
         "conditions": render_conditions(conditions, previous.get("conditions") or [], generation=generation, now=now),
     }
+
+
+def _inference_pool(plan: Plan, unavailable: Sequence[str]) -> dict[str, Any] | None:
+    """The InferencePool as written (None: none is, and a merge patch with None removes it)."""
+    if not plan.spec.router.inference_pool.enabled or INFERENCE_POOL_CRD in unavailable:
+        return None
+    return {"name": plan.name, "targetPort": plan.sidecar.port,
+            "selector": names.inference_pool_selector(plan.name)}
 
 
 def invalid_status(message: str, *, generation: int, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
@@ -220,7 +245,7 @@ def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) 
     current = current or {}
     patch: dict[str, Any] = {}
     for key, value in desired.items():
-        if current.get(key) != value:
+        if current.get(key) != value and not (value is None and key not in current):
             patch[key] = value
     if "pools" in desired and isinstance(current.get("pools"), Mapping):
         gone = {k: None for k in current["pools"] if k not in desired["pools"]}

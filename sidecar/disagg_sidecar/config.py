@@ -19,8 +19,10 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       discovery: {kind: endpointslices, namespace: ns, service: qwen-prefill, port_name: engine, port: 8200}
                # {kind: static, urls: [http://10.0.0.5:8200]} | {kind: dns, host: qwen-prefill.ns.svc, port: 8200}
                # (endpointslices: in-cluster token by default; `api: {url, token_file, ca_file}` for local use)
-      selection: least-requests          # round-robin | random | least-requests
+      selection: least-requests          # round-robin | random | least-requests | prefix-affinity
+      affinity_block_tokens: 16          # prefix-affinity hashes prompts in the engines' KV block size
       trust_prefiller_header: true       # honour x-prefiller-host-port, only for current prefill endpoints
+      pool_port: 8000                    # an InferencePool's target port: the header names prefill hosts at it
       failure_policy: fallback           # fallback: decode prefills locally; fail: 503
       min_prompt_tokens: 0               # shorter prompts skip the prefill leg (0: never skip)
     kv_connector: NixlConnector          # a name in disagg_sidecar.connectors.REGISTRY
@@ -120,10 +122,14 @@ class Tier(_Model):
 class Prefill(_Model):
     mode: Literal["remote", "local"] = "remote"
     discovery: Discovery | None = Field(None, discriminator="kind")
-    selection: Literal["round-robin", "random", "least-requests"] = "least-requests"
+    selection: Literal["round-robin", "random", "least-requests", "prefix-affinity"] = "least-requests"
+    affinity_block_tokens: int = Field(16, ge=1, description="prefix-affinity: tokens per hashed block (the "
+                                                             "engines' KV block size, so hashes match their cache).")
     trust_prefiller_header: bool = Field(
         False, description="Honour x-prefiller-host-port when it names a current prefill endpoint; "
                           "false: the header is stripped and ignored.")
+    pool_port: int | None = Field(None, ge=1, le=65535, description="An InferencePool's target port: its endpoint "
+                                  "picker names prefill pods at this port, meaning the prefill engine on that host.")
     failure_policy: Literal["fallback", "fail"] = "fallback"
     tokens_only: bool | None = Field(None, description="Prefill pool runs --tokens-only; None: `engine.prefill_tokens_only`.")
     min_prompt_tokens: int = Field(0, ge=0, description="Prompts shorter than this skip the prefill leg.")

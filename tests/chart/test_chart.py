@@ -38,7 +38,8 @@ CLUSTER_KINDS = "clusterroles,clusterrolebindings"
 # (verb, resource, subresource) the operator must be able to do in every namespace it serves.
 CHILDREN = ("deployments.apps", "services", "configmaps", "serviceaccounts", "roles.rbac.authorization.k8s.io",
             "rolebindings.rbac.authorization.k8s.io", "horizontalpodautoscalers.autoscaling",
-            "poddisruptionbudgets.policy", "networkpolicies.networking.k8s.io")
+            "poddisruptionbudgets.policy", "networkpolicies.networking.k8s.io",
+            "inferencepools.inference.networking.k8s.io")
 ALLOWED = [
     *((verb, kind, None) for kind in CHILDREN for verb in ("get", "list", "watch", "create", "patch", "delete")),
     *((verb, CRD_NAME, None) for verb in ("get", "list", "watch", "patch")),
@@ -53,7 +54,8 @@ DENIED_IN_WATCHED = [
     ("create", CRD_NAME, None), ("delete", CRD_NAME, None), ("update", CRD_NAME, None),
     ("update", "deployments.apps", None), ("create", "endpointslices.discovery.k8s.io", None),
     ("escalate", "roles.rbac.authorization.k8s.io", None), ("bind", "roles.rbac.authorization.k8s.io", None),
-    ("delete", "events", None),
+    ("delete", "events", None), ("update", "inferencepools.inference.networking.k8s.io", None),
+    ("patch", "inferencepools.inference.networking.k8s.io", "status"),
 ]
 # Cluster-scoped: nothing at all.
 DENIED_CLUSTER = [

@@ -138,7 +138,8 @@ def test_sidecar_config_names_the_services() -> None:
         "mode": "remote",
         "discovery": {"kind": "endpointslices", "namespace": "prod", "service": "qwen3-8b-prefill",
                       "port": 8200, "port_name": "engine"},
-        "selection": "least-requests", "trust_prefiller_header": False, "failure_policy": "fallback",
+        "selection": "least-requests", "affinity_block_tokens": 16, "trust_prefiller_header": False,
+        "failure_policy": "fallback",
     }
     assert config["kv_connector"] == "NixlConnector"
     assert config["timeouts"]["prefill_seconds"] == 60

@@ -13,6 +13,7 @@ from disagg_operator.objects.autoscaling import autoscalers
 from disagg_operator.objects.configmaps import config_map
 from disagg_operator.objects.deployments import deployment
 from disagg_operator.objects.disruption import disruption_budgets
+from disagg_operator.objects.inference_pool import inference_pools
 from disagg_operator.objects.network import network_policies
 from disagg_operator.objects.rbac import rbac
 from disagg_operator.objects.services import services
@@ -28,6 +29,7 @@ def build_objects(plan: Plan, owner: dict[str, Any] | None = None) -> list[dict[
         *(deployment(plan, pool, owner) for pool in plan.pools),
         *autoscalers(plan, owner),
         *disruption_budgets(plan, owner),
+        *inference_pools(plan, owner),
     ]
     return sorted(objects, key=lambda o: APPLY_ORDER[o["kind"]])
 

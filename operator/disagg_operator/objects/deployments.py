@@ -160,7 +160,7 @@ def deployment(plan: Plan, pool: PoolPlan, owner: dict[str, Any] | None = None) 
         "strategy": _strategy(pool),
         "template": {
             "metadata": {
-                "labels": names.labels(plan.name, pool.role),
+                "labels": {**names.labels(plan.name, pool.role), **dict(pool.pod_labels)},
                 "annotations": {names.CONFIG_HASH: pool.config_hash},
             },
             "spec": pod,
