@@ -170,12 +170,12 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
         ttl_dns_cache=10,
     )
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    selection = config.prefill.selection
     upstream = Upstream(
         session, config, app[METRICS],
         render=EndpointPool("render", lambda: config.render_urls, "least-requests"),
         derender=EndpointPool("derender", lambda: config.derender_urls, "least-requests"),
-        prefill=EndpointPool("prefill", source.endpoints, selection),
+        prefill=EndpointPool("prefill", source.endpoints, config.prefill.selection,
+                             block_tokens=config.prefill.affinity_block_tokens),
     )
     app[UPSTREAM] = upstream
     state = app[STATE]

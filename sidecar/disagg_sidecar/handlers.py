@@ -102,7 +102,8 @@ def context(request: web.Request, body: Any) -> Context:
     target = None
     if state.config.prefill.trust_prefiller_header:
         target = allowlist.select_prefill(request.headers.getall(wire.PREFILLER_HOST_PORT, []),
-                                          request.app[UPSTREAM].pools["prefill"].endpoints())
+                                          request.app[UPSTREAM].pools["prefill"].endpoints(),
+                                          state.config.prefill.pool_port)
     return Context(request_id, headers, target, engine_id=engine_id)
 
 
