@@ -56,7 +56,6 @@ from disagg_sidecar.discovery_config import check_url as _check_url
 
 # What a stock vLLM generate server (no engine extension) answers on /inference/v1/generate.
 STOCK_OUTPUT_MODES: tuple[wire.OutputMode, ...] = ("tokens", "text")
-ALL_OUTPUT_MODES: tuple[wire.OutputMode, ...] = ("tokens", "text", "derender")
 
 
 class Listen(_Model):
@@ -227,24 +226,6 @@ class SidecarConfig(_Model):
     @property
     def prefill_tokens_only(self) -> bool:
         return self.engine.prefill_tokens_only if self.prefill.tokens_only is None else self.prefill.tokens_only
-
-    @property
-    def configured_capabilities(self) -> Capabilities:
-        if self.decode.capabilities is not None:
-            return self.decode.capabilities
-        if self.engine.extension:
-            return Capabilities(output_modes=ALL_OUTPUT_MODES, streaming_output_modes=ALL_OUTPUT_MODES,
-                                derender_context_forms=("chat_request", "parse_context"))
-        return self.stock_capabilities
-
-    @property
-    def stock_capabilities(self) -> Capabilities:
-        """What the decode engine's vLLM does without the extension."""
-        f = self.engine.features
-        if f.generate_output_mode_derender and f.render_parse_context:
-            return Capabilities(output_modes=ALL_OUTPUT_MODES, streaming_output_modes=STOCK_OUTPUT_MODES,
-                                derender_context_forms=("parse_context",))
-        return Capabilities()
 
     @property
     def derender_timeout(self) -> float:

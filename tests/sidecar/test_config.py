@@ -8,6 +8,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from disagg_sidecar import capabilities
 from disagg_sidecar.commands import sidecar_main
 from disagg_sidecar.config import (
     Decode, DNSDiscovery, EndpointSliceDiscovery, Prefill, SidecarConfig, StaticDiscovery, dump_config, load_config,
@@ -40,7 +41,7 @@ FULL = {
 def test_minimal_config_is_decode_only() -> None:
     c = SidecarConfig.model_validate(MINIMAL)
     assert c.render_urls == c.derender_urls == ("http://127.0.0.1:8200",)
-    assert c.prefill.mode == "local" and c.configured_capabilities.output_modes == ("tokens", "text")
+    assert c.prefill.mode == "local" and capabilities.configured(c).output_modes == ("tokens", "text")
     assert c.limits.keepalive_seconds < 5
 
 
@@ -50,7 +51,7 @@ def test_full_config(tmp_path: Path) -> None:
     c = load_config(path)
     assert c.render_urls == ("http://r1:8200", "http://r2:8200") and c.derender_urls == ("http://d:8200",)
     assert c.derender_timeout == 5 and c.prefill_tokens_only
-    assert c.configured_capabilities.streaming_output_modes == ("tokens",)
+    assert capabilities.configured(c).streaming_output_modes == ("tokens",)
 
 
 @pytest.mark.parametrize("discovery", [
