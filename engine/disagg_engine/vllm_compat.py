@@ -94,6 +94,10 @@ def configured_parsers(args) -> dict[str, str | None]:
 # (its `OnlineDerenderer`), refuses `derender` with `stream=true` before any generator runs, and
 # passes `derender_request=` to `serve_tokens_full_generator`. 0.32 has none of this.
 NATIVE_DERENDER: bool = hasattr(_tito_protocol, "ParseContext")
+# Derender sessions (disagg_engine.sessions) are built from vLLM 0.32's chat serving and output
+# processing internals and tested there; elsewhere the render tier offers none, and the sidecar
+# keeps the stateless streaming derender.
+DERENDER_SESSIONS: bool = vllm_version().startswith("0.32.")
 
 
 class _ParseContext032(BaseModel):
