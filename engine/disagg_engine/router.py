@@ -57,7 +57,8 @@ async def get_capabilities(raw_request: Request):
     state = raw_request.app.state
     caps = getattr(state, "disagg_capabilities", None)
     if caps is None:
-        return _error(HTTPStatus.NOT_FOUND, "the disagg engine extension serves nothing here (no generate engine, no derender sessions)")
+        return _error(HTTPStatus.NOT_FOUND,
+                      "the disagg engine extension serves nothing here (no generate engine, no derender sessions)")
     if getattr(state, "disagg_sessions", None) is not None:
         return JSONResponse({**caps, "live_derender_sessions": state.disagg_sessions.live})
     return JSONResponse({**caps, "live_derender_requests": state.disagg_serving_tokens.live_derender_requests})
