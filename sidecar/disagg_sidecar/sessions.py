@@ -104,6 +104,7 @@ class SessionDerender:
         self._started: set[int] = set()  # choices the client got a chunk of
         self._finished: set[int] = set()
         self._fallback: streaming.ChainedDerender | None = None
+        self._usage: streaming.Chunk | None = None  # decode's usage chunk, for a stateless fallback
         self._task = asyncio.create_task(self._run())
 
     # -- the interface -------------------------------------------------------------------------
@@ -114,7 +115,8 @@ class SessionDerender:
             return
         self.request_id = self.request_id or str(chunk.get("request_id") or "")
         if streaming.choice_index(chunk) is None:
-            return  # usage: the session counts it itself
+            self._usage = chunk  # a session counts usage itself; the stateless path relays this one
+            return
         self._pending.append(chunk)
         self._wake.set()
 
@@ -227,6 +229,8 @@ class SessionDerender:
         self._fallback = chain
         for chunk in backlog:
             chain.feed(chunk)
+        if self._usage is not None:
+            chain.feed(self._usage)  # it came before the fallback took over; it still comes last
 
 
 Stateless = Callable[[streaming.Emit], streaming.ChainedDerender]

@@ -1,6 +1,7 @@
-"""500 ``DisaggregatedModel``s created at once (`make bench BENCH=operator` also runs
-50): every child applied and every status written, within 3× what `kubectl apply --server-side`
-needs for the very same objects in the same run (the benchmark's goal is 2×)."""
+"""100 ``DisaggregatedModel``s created at once: every child applied and every status written,
+within 3× what `kubectl apply --server-side` needs for the very same objects in the same run.
+`make bench BENCH=operator` runs 50 and 500 against the goal of 2× (500 here took 9.5 min of the
+suite's 15-minute budget on 2 cores)."""
 
 from __future__ import annotations
 
@@ -14,23 +15,23 @@ from tests.harness.operator import OperatorProcess
 
 pytestmark = [pytest.mark.cluster, pytest.mark.reliability]
 
-MODELS = 500
+MODELS = 100
 BOUND = 3.0
 
 
-def test_five_hundred_models_at_once(cluster: Cluster, operator: OperatorProcess, ns: str, record_property: Any) -> None:
+def test_a_hundred_models_at_once(cluster: Cluster, operator: OperatorProcess, ns: str, record_property: Any) -> None:
     # Earlier tests' namespaces are garbage-collected by the same API server: let that finish first.
     cluster.wait_for(lambda: not [n for n in cluster.api("GET", "/api/v1/namespaces")["items"]
                                   if n["status"].get("phase") == "Terminating"],
                      "earlier tests' namespaces deleted", timeout=600, interval=0.5)
     run = create_at_once(cluster, operator, ns, MODELS)
-    baseline_ns = cluster.create_namespace("five-hundred-kubectl")
+    baseline_ns = cluster.create_namespace("hundred-kubectl")
     try:
         baseline = kubectl_baseline(cluster, baseline_ns, MODELS)
     finally:
         cluster.kubectl("delete", "namespace", baseline_ns, "--wait=false", check=False)
-    record_property("five_hundred_models_seconds", round(run["seconds"], 1))
-    record_property("five_hundred_kubectl_seconds", round(baseline, 1))
+    record_property("hundred_models_seconds", round(run["seconds"], 1))
+    record_property("hundred_kubectl_seconds", round(baseline, 1))
     print(f"{MODELS} models ({run['objects']} objects): children {run['children_seconds']:.1f}s, statuses "
           f"{run['status_seconds']:.1f}s; kubectl --server-side {baseline:.1f}s")
     assert run["seconds"] <= BOUND * baseline
