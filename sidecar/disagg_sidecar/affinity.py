@@ -2,14 +2,18 @@
 
 vLLM's prefix cache keys each full block of a prompt by a hash chained over every earlier block, so
 an engine can reuse its cache only for the longest run of leading full blocks it already computed.
-The sidecar mirrors that: it hashes a prompt's full blocks as a chain and remembers, per endpoint,
-the chain hashes of the prompts it sent there (bounded, least recently used first out). A prompt
-goes to the endpoint that holds its longest leading run. Prompts no endpoint holds more of than
-another (a new conversation, or only a shared system prompt) are spread by rendezvous hashing of
-the prompt's deepest block, so the same prompt maps to the same endpoint in every sidecar and
-distinct prompts spread evenly. Load bounds all of it: an endpoint more than ``max_imbalance`` legs
-above the least loaded candidate is not chosen for affinity, so a hot prefix cannot pile up on one
-engine; the pool then falls back to least-requests.
+The sidecar mirrors that: it
+hashes a prompt's full blocks as a chain and remembers, per endpoint, the chain hashes of the
+prompts it sent there (bounded, least recently used first out), and which block followed which.
+A block that different prompts continue differently is a shared prefix (a system prompt, a
+common preamble): holding it says nothing about where a conversation lives, since every engine
+soon holds it. So a prompt goes to the endpoint that holds the longest run of its blocks beyond
+the last such branching point (the previous turn of its conversation); a prompt no endpoint holds
+beyond that (a new conversation) is spread by rendezvous hashing of its deepest block, so the
+same prompt maps to the same endpoint in every sidecar and distinct prompts spread evenly. Load
+bounds all of it: an endpoint more than ``max_imbalance`` legs above the least loaded candidate
+is not chosen for affinity, so a hot prefix cannot pile up on one engine; the pool then falls
+back to least-requests.
 
 The index is this sidecar's own view (no shared state): with several decode pods, a conversation's
 next turn finds its prefill home only through the sidecar that saw the last turn, or through an
@@ -52,6 +56,8 @@ class PrefixIndex:
         self.capacity_blocks = capacity_blocks
         self.max_imbalance = max_imbalance
         self._held: dict[str, OrderedDict[bytes, None]] = {}
+        # Per block, the blocks seen after it (two are enough to call it a branching point).
+        self._next: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
 
     def matched_blocks(self, url: str, chain: Sequence[bytes]) -> int:
         """How many leading blocks of ``chain`` were sent to ``url`` (scanned from the deepest: a new
@@ -64,6 +70,15 @@ class PrefixIndex:
                 return depth
         return 0
 
+    def shared_depth(self, chain: Sequence[bytes]) -> int:
+        """How many leading blocks of ``chain`` other prompts share: up to its deepest block that
+        some prompt seen before continued differently."""
+        for depth in range(len(chain) - 1, 0, -1):
+            after = self._next.get(chain[depth - 1], ())
+            if len(after) > 1 or (after and after[0] != chain[depth]):
+                return depth
+        return 0
+
     def choose(self, candidates: Sequence[str], chain: Sequence[bytes], outstanding: Callable[[str], int]) -> str | None:
         """The affinity choice among ``candidates``, or None to let the caller balance by load."""
         if not candidates or not chain:
@@ -72,7 +87,9 @@ class PrefixIndex:
         allowed = [u for u in candidates if outstanding(u) <= least + self.max_imbalance]
         matched = {u: self.matched_blocks(u, chain) for u in allowed}
         best = max(matched.values())
-        return rendezvous(chain[-1], [u for u in allowed if matched[u] == best])
+        if best > self.shared_depth(chain):  # this conversation's own blocks: its home
+            allowed = [u for u in allowed if matched[u] == best]
+        return rendezvous(chain[-1], allowed)
 
     def record(self, url: str, chain: Sequence[bytes]) -> None:
         held = self._held.setdefault(url, OrderedDict())
@@ -81,6 +98,11 @@ class PrefixIndex:
             held.move_to_end(key)
         while len(held) > self.capacity_blocks:
             held.popitem(last=False)
+        for key, after in zip(chain, chain[1:]):
+            seen = self._next.pop(key, ())
+            self._next[key] = seen if after in seen or len(seen) > 1 else (*seen, after)
+        while len(self._next) > self.capacity_blocks:
+            self._next.popitem(last=False)
 
     def forget(self, keep: Sequence[str]) -> None:
         """Drop endpoints that left the pool (their engines' caches went with them)."""

@@ -41,7 +41,8 @@ def test_a_conversation_s_next_turn_goes_where_its_last_turn_went() -> None:
     system = tokens(64)  # shared by every conversation: it must not pull them all to one engine
     conversations = [system + tokens(50) for _ in range(30)]
     first = [pool.pick(prompt=c) for c in conversations]
-    assert min(Counter(first).values()) >= 5, f"new conversations spread: {Counter(first)}"
+    spread = Counter(first)
+    assert set(spread) == set(URLS) and min(spread.values()) >= 5, f"new conversations spread: {spread}"
     for turn in range(3):
         conversations = [c + tokens(40) for c in conversations]
         assert [pool.pick(prompt=c) for c in conversations] == first, f"turn {turn + 2} follows its prefix"
@@ -58,6 +59,19 @@ def test_affinity_gives_way_to_load_beyond_the_imbalance_bound() -> None:
             other = pool.pick(prompt=prompt)
             assert other != home, "three above is not"
     assert pool.pick(prompt=prompt) in (home, other), "both now hold the prefix"
+
+
+def test_a_shared_prefix_is_recognised_once_prompts_branch_from_it() -> None:
+    index = PrefixIndex()
+    system = tokens(48)
+    first, second = block_chain(system + tokens(32), 16), block_chain(system + tokens(32), 16)
+    assert index.shared_depth(first) == 0
+    index.record(URLS[0], first)
+    assert index.shared_depth(second) == 3, "the system prompt's 3 blocks: a different block follows them"
+    assert index.shared_depth(block_chain(system + tokens(32), 16)[:3]) == 0
+    index.record(URLS[1], second)
+    longer = block_chain(system + tokens(32) + tokens(32), 16)
+    assert index.shared_depth(longer) == 3
 
 
 def test_short_prompts_and_departed_endpoints() -> None:
