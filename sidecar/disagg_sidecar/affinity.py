@@ -79,7 +79,8 @@ class PrefixIndex:
                 return depth
         return 0
 
-    def choose(self, candidates: Sequence[str], chain: Sequence[bytes], outstanding: Callable[[str], int]) -> str | None:
+    def choose(self, candidates: Sequence[str], chain: Sequence[bytes],
+               outstanding: Callable[[str], int]) -> str | None:
         """The affinity choice among ``candidates``, or None to let the caller balance by load."""
         if not candidates or not chain:
             return None
