@@ -5,7 +5,7 @@ an engine can reuse its cache only for the longest run of leading full blocks it
 The sidecar mirrors that: it
 hashes a prompt's full blocks as a chain and remembers, per endpoint, the chain hashes of the
 prompts it sent there (bounded, least recently used first out), and which block followed which.
-A block that different prompts continue differently is a shared prefix (a system prompt, a
+A block that several prompts continue differently is a shared prefix (a system prompt, a
 common preamble): holding it says nothing about where a conversation lives, since every engine
 soon holds it. So a prompt goes to the endpoint that holds the longest run of its blocks beyond
 the last such branching point (the previous turn of its conversation); a prompt no endpoint holds
@@ -56,7 +56,7 @@ class PrefixIndex:
         self.capacity_blocks = capacity_blocks
         self.max_imbalance = max_imbalance
         self._held: dict[str, OrderedDict[bytes, None]] = {}
-        # Per block, the blocks seen after it (two are enough to call it a branching point).
+        # Per block, the blocks seen after it (three are enough to find two besides a prompt's own).
         self._next: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
 
     def matched_blocks(self, url: str, chain: Sequence[bytes]) -> int:
@@ -72,10 +72,12 @@ class PrefixIndex:
 
     def shared_depth(self, chain: Sequence[bytes]) -> int:
         """How many leading blocks of ``chain`` other prompts share: up to its deepest block that
-        some prompt seen before continued differently."""
+        prompts seen before continued in two ways other than this one. One other way is no proof:
+        a conversation's next turn also leaves its previous prompt where the chat template renders
+        the last assistant turn differently in history."""
         for depth in range(len(chain) - 1, 0, -1):
             after = self._next.get(chain[depth - 1], ())
-            if len(after) > 1 or (after and after[0] != chain[depth]):
+            if sum(1 for key in after if key != chain[depth]) >= 2:
                 return depth
         return 0
 
@@ -101,7 +103,7 @@ class PrefixIndex:
             held.popitem(last=False)
         for key, after in zip(chain, chain[1:]):
             seen = self._next.pop(key, ())
-            self._next[key] = seen if after in seen or len(seen) > 1 else (*seen, after)
+            self._next[key] = seen if after in seen or len(seen) > 2 else (*seen, after)
         while len(self._next) > self.capacity_blocks:
             self._next.popitem(last=False)
 

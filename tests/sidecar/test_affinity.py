@@ -64,12 +64,12 @@ def test_affinity_gives_way_to_load_beyond_the_imbalance_bound() -> None:
 def test_a_shared_prefix_is_recognised_once_prompts_branch_from_it() -> None:
     index = PrefixIndex()
     system = tokens(48)
-    first, second = block_chain(system + tokens(32), 16), block_chain(system + tokens(32), 16)
-    assert index.shared_depth(first) == 0
-    index.record(URLS[0], first)
-    assert index.shared_depth(second) == 3, "the system prompt's 3 blocks: a different block follows them"
-    assert index.shared_depth(block_chain(system + tokens(32), 16)[:3]) == 0
-    index.record(URLS[1], second)
+    chains = [block_chain(system + tokens(32), 16) for _ in range(3)]
+    index.record(URLS[0], chains[0])
+    assert index.shared_depth(chains[1]) == 0, "one other continuation: may be the same conversation"
+    index.record(URLS[1], chains[1])
+    assert index.shared_depth(chains[2]) == 3, "two others: the system prompt's 3 blocks are shared"
+    assert index.shared_depth(chains[0]) == 0, "its own continuation does not count"
     longer = block_chain(system + tokens(32) + tokens(32), 16)
     assert index.shared_depth(longer) == 3
 
