@@ -3,8 +3,8 @@ engines, with ``prefix-affinity`` and with ``least-requests`` prefill selection.
 the prefill engines' prefix-cache hit rate (vLLM's own ``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries`` counters, in tokens) and how the requests split between the two
 engines. The sides alternate in rounds; every round and side gets conversations of its own (a
-seed each), so no side finds a prefix the other left in an engine's cache — except the system
-prompt every conversation shares, which both sides find alike."""
+seed each, which also heads the system prompt all its conversations share), so no side finds a
+prefix the other left in an engine's cache."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ SIDES = ("prefix-affinity", "least-requests")
 SYSTEM = "You are a careful assistant. " + " ".join(WORDS[i % len(WORDS)] for i in range(400))
 
 
+def system_prompt(seed: int) -> str:
+    return f"Session {seed}. {SYSTEM}"
+
+
 def counters(url: str) -> dict[str, float]:
     """The prefill engine's prefix-cache counters and finished requests (sums over label sets)."""
     out = {"hits": 0.0, "queries": 0.0, "requests": 0.0}
@@ -48,7 +52,7 @@ def user_turn(rng: random.Random) -> str:
 async def conversations(url: str, seed: int, count: int, turns: int) -> int:
     """``count`` conversations of ``turns`` turns, all conversations' turn k at once; the errors."""
     rng = random.Random(seed)
-    history = [[{"role": "system", "content": SYSTEM}] for _ in range(count)]
+    history = [[{"role": "system", "content": system_prompt(seed)}] for _ in range(count)]
     errors = 0
 
     async def turn(session: aiohttp.ClientSession, messages: list[dict[str, str]]) -> bool:
