@@ -16,6 +16,9 @@ from typing import Any, TextIO
 import yaml
 
 
+CRD_RETRY_SECONDS = 60.0
+
+
 def crd_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="disagg crd", description="Print the DisaggregatedModel CRD (YAML).")
     parser.parse_args(list(argv))
@@ -105,10 +108,15 @@ def operator_main(argv: Sequence[str]) -> int:
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                         help="serve Prometheus metrics on this port (default: off)")
     parser.add_argument("--metrics-address", default="0.0.0.0", metavar="ADDR")
+    parser.add_argument("--crd-retry-seconds", type=float, default=CRD_RETRY_SECONDS, metavar="S",
+                        help="how often a model whose spec needs a CRD the cluster lacks (e.g. InferencePool) "
+                        "is converged again, so installing the CRD later takes effect (default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(list(argv))
     if args.priority is not None and args.peering is None:
         parser.error("--priority needs --peering")
+    if args.crd_retry_seconds <= 0:
+        parser.error("--crd-retry-seconds must be positive")
 
     import kopf
 
@@ -131,5 +139,6 @@ def operator_main(argv: Sequence[str]) -> int:
         peering_name=args.peering,
         priority=peering_priority(args.peering, args.priority),
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo(crd_retry_seconds=args.crd_retry_seconds),
     )
     return 0

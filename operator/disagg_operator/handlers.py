@@ -31,7 +31,6 @@ from disagg_operator.status import status_patch
 
 CHILD_FILTER = {names.MANAGED_BY: names.OPERATOR, names.INSTANCE: kopf.PRESENT}
 RETRY_SECONDS = 10
-UNAVAILABLE_RETRY_SECONDS = 60
 WORKERS = 32  # threads for sync handlers, and API connections to match
 
 
@@ -135,7 +134,8 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, models: kopf.
     memo.status_writer.submit((meta["namespace"], meta["name"]),
                               lambda: _refresh_status(meta["namespace"], meta["name"], memo, models, children))
     if outcome.unavailable:  # reported in the status; try again in case the CRD gets installed
-        raise kopf.TemporaryError(f"CRDs not installed: {', '.join(outcome.unavailable)}", delay=UNAVAILABLE_RETRY_SECONDS)
+        raise kopf.TemporaryError(f"CRDs not installed: {', '.join(outcome.unavailable)}",
+                                  delay=memo.crd_retry_seconds)  # `disagg operator --crd-retry-seconds`
 
 
 # --- the children ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from disagg_engine.sessions import (
     split_lines,
     tagged,
 )
-from tests.engine.session_renders import live, session_renders  # noqa: F401 (fixture)
+from tests.engine.session_renders import live
 from tests.sidecar.support import wait_for
 
 # -- pure pieces -------------------------------------------------------------------------------

@@ -38,16 +38,18 @@ from pathlib import Path
 import pytest
 
 from disagg_cli.local.runner import KV_DIR, STATE_FILE, Deployment, find_state
-from disagg_engine.servers import ManagedServer, stop_all, stop_group
+from disagg_engine.servers import ManagedServer, start_all, stop_all, stop_group
 from disagg_engine.testing.lanes import LANES, MAIN
-from disagg_engine.testing.server_set import ServerSet, start_server_set
+from disagg_engine.testing.server_set import ServerSet, role_specs, start_server_set
+from disagg_engine.testing.tiny_model import ensure_model
+from tests.engine.session_renders import Render
 from tests.harness.forced import Forcer
 
 ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
 # Fixtures started early in the background, one after the other in this order (the demo's start
 # returns at once; the set then starts its coupled server and waits for the demo's deployment).
-_EARLY_FIXTURES = ("demo_run", "engine_set", "engine_set_033")
+_EARLY_FIXTURES = ("demo_run", "engine_set", "engine_set_033", "session_renders")
 _NEEDS = {"engine_set": "demo_run"}
 # `lane_set` runs a test once per vLLM lane: it needs the set of each.
 _LANE_SETS = {MAIN: "engine_set", "0.33": "engine_set_033"}
@@ -188,8 +190,23 @@ def _start_lane_set() -> ServerSet:
     return start_server_set(Path(tempfile.mkdtemp(prefix="disagg-engine-033-logs-")), lane="0.33")
 
 
+@dataclass
+class SessionRenders:
+    """Two ``launch render`` servers with the engine extension (derender sessions)."""
+    servers: list[ManagedServer]
+
+    def stop(self) -> None:
+        stop_all(self.servers)
+
+
+def _start_session_renders() -> SessionRenders:
+    kv = Path(tempfile.mkdtemp(prefix="disagg-kv-"))
+    specs = [role_specs(("render",), ensure_model(), kv, name_prefix=f"session{i}-")[0] for i in range(2)]
+    return SessionRenders(start_all(specs, Path(tempfile.mkdtemp(prefix="disagg-session-logs-")), timeout=900))
+
+
 _STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo,
-                                  "engine_set_033": _start_lane_set}
+                                  "engine_set_033": _start_lane_set, "session_renders": _start_session_renders}
 _early = _EarlyStarts()
 
 
@@ -260,7 +277,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 # For quick iteration: a set started with `python -m disagg_engine.testing.server_set` (with the
 # lane's environment for 0.33) instead of the harness's.
-_ATTACH = {"engine_set": "DISAGG_ATTACH_SERVERS", "engine_set_033": "DISAGG_ATTACH_SERVERS_033"}
+_ATTACH = {"engine_set": "DISAGG_ATTACH_SERVERS", "engine_set_033": "DISAGG_ATTACH_SERVERS_033",
+           "session_renders": "DISAGG_ATTACH_SESSION_RENDERS"}
 
 
 def _shared_set(name: str):
@@ -290,6 +308,14 @@ def engine_set_033() -> Iterator:
 def lane_set(request) -> ServerSet:
     """The set of each vLLM lane in turn: render, prefill, decode (with the extension) and coupled."""
     return request.getfixturevalue(_LANE_SETS[request.param])
+
+
+@pytest.fixture(scope="session")
+def session_renders() -> list[Render]:
+    """Two renders with derender sessions (tests/engine/session_renders.py)."""
+    if attach := os.environ.get(_ATTACH["session_renders"]):
+        return [Render(r["url"], r["pid"]) for r in json.loads(Path(attach).read_text())]
+    return [Render(s.url, s.pid) for s in _early.result("session_renders").servers]
 
 
 @pytest.fixture(scope="session")

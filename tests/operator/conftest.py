@@ -26,7 +26,12 @@ def crd_installed(cluster):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def operator(cluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProcess]:  # type: ignore[no-untyped-def]
-    process = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator"))
+    yield from running_operator(cluster, tmp_path_factory)
+
+
+def running_operator(cluster, tmp_path_factory, args: list[str] | None = None) -> Iterator[OperatorProcess]:  # type: ignore[no-untyped-def]
+    """A started operator, alive, stopped when the generator is closed (for module fixtures)."""
+    process = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator"), args=args or [])
     process.start()
     try:
         cluster.wait_for(process.alive, "the operator's liveness endpoint", timeout=60)

@@ -12,9 +12,11 @@ from disagg_operator.kinds import INFERENCE_POOL
 from tests.harness.cluster import Cluster
 from tests.harness.operator import OperatorProcess
 from tests.operator.cases import merged
+from tests.operator.conftest import running_operator
 from tests.operator.pool_cluster import enable, install_pool_crd, pool, remove_pool_crd
 from tests.operator.test_cluster import example, get, wait_ready
-from disagg_operator.handlers import UNAVAILABLE_RETRY_SECONDS
+
+RETRY_SECONDS = 5  # the operator's --crd-retry-seconds here (default 60): the CRD is installed mid-test
 
 pytestmark = pytest.mark.cluster
 
@@ -26,8 +28,9 @@ def no_pool_crd(cluster: Cluster) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def operator_without_pools(no_pool_crd: None, operator: OperatorProcess) -> OperatorProcess:
-    return operator
+def operator_without_pools(no_pool_crd: None, cluster: Cluster, crd_installed,  # type: ignore[no-untyped-def]
+                           tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    yield from running_operator(cluster, tmp_path_factory, ["--crd-retry-seconds", str(RETRY_SECONDS)])
 
 
 def pool_condition(cluster: Cluster, ns: str, name: str) -> dict[str, str] | None:
@@ -58,6 +61,6 @@ def test_missing_crd_is_a_condition_and_other_models_are_served(
     # Installed later: the operator's retry applies the pool and the condition turns True.
     install_pool_crd(cluster)
     cluster.wait_for(lambda: pool(cluster, ns, "qwen3-8b"), "the InferencePool after the CRD appeared",
-                     timeout=UNAVAILABLE_RETRY_SECONDS * 2 + 30)
+                     timeout=RETRY_SECONDS * 2 + 30)
     cluster.wait_for(lambda: (pool_condition(cluster, ns, "qwen3-8b") or {}).get("status") == "True",
                      "InferencePoolReady True", timeout=120)

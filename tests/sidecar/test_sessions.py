@@ -15,7 +15,7 @@ import requests
 
 from disagg_engine.servers import pid_alive, signal_group
 
-from tests.engine.session_renders import Render, session_renders  # noqa: F401 (fixture)
+from tests.engine.session_renders import Render
 from tests.harness.openai_views import chat_full_view, chat_stream_full_view, sse_events
 from tests.harness.overlap import in_background
 from tests.sidecar.conftest import TOKENS_ONLY
