@@ -225,7 +225,8 @@ ROLLS = [
     ("router timeouts", {"router": {"timeouts": {"decodeSeconds": 60}}}, {"decode"}),
     ("sidecar image", {"router": {"image": "ghcr.io/disagg/disagg:v0.2.0"}}, {"decode"}),
     ("cpu image", {"engine": {"cpuImage": "ghcr.io/disagg/vllm-cpu:v0.33.1"}}, {"render", "derender"}),
-    ("render extension", {"engine": {"renderExtension": False}}, {"render", "derender"}),
+    ("render extension", {"engine": {"renderExtension": False}}, {"render", "derender"}),  # 0.33: no sessions
+    ("vllm version", {"engine": {"vllmVersion": "0.32.0"}}, {"decode"}),  # its sidecar: features, sessions
     ("gpu image", {"engine": {"gpuImage": "vllm/vllm-openai:v0.33.1"}}, {"prefill", "decode"}),
     ("kv extra config", {"kvTransfer": {"extraConfig": {"backends": ["UCX", "GDS"]}}}, {"prefill", "decode"}),
     ("decode resources", {"pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}}, {"decode"}),
@@ -310,3 +311,11 @@ def test_the_derender_strategy_and_what_the_sidecar_may_ask_the_render_tier(
     assert sidecar_file(plan)["engine"]["derender_sessions"] is sessions
     assert (plan.render_tier and env(plan.pool(Role.RENDER)).get("VLLM_PLUGINS") == "disagg") \
         is (renders > 0 and engine.get("renderExtension", True))
+
+
+def test_sessions_coming_or_going_roll_decode_with_the_render_tier() -> None:
+    on = plan_of(merged(full_spec(), {"engine": {"vllmVersion": "0.32.0"}}))
+    off = plan_of(merged(full_spec(), {"engine": {"vllmVersion": "0.32.0", "renderExtension": False}}))
+    changed = {str(p.role) for p in on.pools if p.config_hash != off.pool(p.role).config_hash}
+    assert changed == {"decode", "render", "derender"}  # decode: its sidecar's engine.derender_sessions
+    assert (on.derender_strategy, off.derender_strategy) == ("session", "stateless")
