@@ -51,3 +51,16 @@ def test_without_a_kv_size_engines_get_the_cpu_default_and_user_env_wins(tmp_pat
     assert "--kv-cache-memory-bytes" not in procs["prefill-0"].argv
     assert procs["prefill-0"].env[KV_SPACE_ENV] == "1"
     assert procs["decode-0"].env[KV_SPACE_ENV] == "3"
+
+
+def test_the_example_render_runs_without_the_extension_and_the_default_would_add_it(tmp_path):
+    """examples/local-tiny.yaml sets engine.renderExtension false (the suite's chained tests take the
+    stateless path through its render); without that line local mode follows the operator's default."""
+    procs = _processes(tmp_path)
+    assert "VLLM_PLUGINS" not in procs["render-0"].env
+    assert procs["sidecar-0"].config.engine.derender_sessions is False
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    del doc["spec"]["engine"]["renderExtension"]
+    procs = _processes(tmp_path, doc)
+    assert procs["render-0"].env["VLLM_PLUGINS"] == "disagg"
+    assert procs["sidecar-0"].config.engine.derender_sessions is True  # 0.32: the render runs sessions
