@@ -19,6 +19,9 @@ from disagg_engine.processes import (
 )
 
 
+_children: list[subprocess.Popen] = []  # started by this run of `up`: reaped once they exit
+
+
 class Failed(Exception):
     """A component did not start or get ready: up stops what it started, keeps the logs."""
 
@@ -53,7 +56,12 @@ def ours(c: Cluster, name: str) -> bool:
 def stop_all(c: Cluster) -> bool:
     """TERM, then KILL after 15 s, every recorded component still ours, in reverse start order."""
     names = {pid: n for n in reversed(recorded(c.dir)) if (pid := pid_of(c.dir, n)) is not None}
-    running = lambda pid: is_ours(pid, c.exe(names[pid]))  # noqa: E731
+
+    def running(pid: int) -> bool:
+        for child in _children:
+            child.poll()  # reap our own exited children: no zombies left behind
+        return is_ours(pid, c.exe(names[pid]))
+
     in_order = lambda pids: " ".join(n for n in COMPONENTS if n in {names[p] for p in pids})  # noqa: E731
     left = stop_pids(list(names), running, (signal.SIGTERM, signal.SIGKILL), grace=15.0,
                      on_left=lambda sig, pids: log(f"still running after {signal.Signals(sig).name}: {in_order(pids)}"))
@@ -89,6 +97,7 @@ def pick_ports() -> Ports | None:
 def start(c: Cluster, argv: list[str]) -> None:
     name = Path(argv[0]).name
     proc = start_logged(argv, c.dir / "logs" / f"{name}.log")
+    _children.append(proc)
     (c.dir / "pids" / name).write_text(f"{proc.pid}\n")
 
     def exited() -> None:
@@ -111,7 +120,8 @@ def wait_until(c: Cluster, timeout: int, what: str, probe) -> None:
 
 def log_tails(state: Path) -> None:
     for path in sorted((state / "logs").glob("*.log")):
-        print(f"----- {path.name} (last 25 lines) -----\n{log_tail(path, 25)}", file=sys.stderr)
+        tail = log_tail(path, 25)
+        print(f"----- {path.name} (last 25 lines) -----" + (f"\n{tail}" if tail else ""), file=sys.stderr)
 
 
 def export(state: Path) -> None:
