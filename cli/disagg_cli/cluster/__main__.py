@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from disagg_cli.cluster import lifecycle, pki
-from disagg_cli.cluster.layout import DEFAULT_TIMEOUT, state_dir
+from disagg_cli.cluster import pki
+from disagg_cli.cluster.layout import DEFAULT_TIMEOUT, Cluster, state_dir
 
 USAGE = """usage: scripts/cluster up|down|status
   up      start (idempotent), print `export KUBECONFIG=...`
@@ -36,9 +36,12 @@ def _locked() -> None:
 
 
 def main(argv: list[str]) -> int:
+    # scripts/node calls the helpers once per certificate: they do not import lifecycle (ssl, urllib).
     state = state_dir(dict(os.environ))
     state.parent.mkdir(parents=True, exist_ok=True)
     cmd, args = (argv[0], argv[1:]) if argv else ("", [])
+    if cmd in ("up", "down", "status") and not args:
+        from disagg_cli.cluster import lifecycle
     if cmd == "up" and not args:
         _locked()
         return lifecycle.up(state, int(os.environ.get("DISAGG_CLUSTER_TIMEOUT") or DEFAULT_TIMEOUT))
@@ -54,10 +57,11 @@ def main(argv: list[str]) -> int:
         pki.issue(state / "pki", *args)
         return 0
     if cmd == "kubeconfig" and len(args) == 2:
-        cluster = lifecycle.load(state)
-        if cluster is None:
-            lifecycle.log(f"not running ({state}): no cluster.env")
+        env = state / "cluster.env"
+        if not env.is_file():
+            print(f"cluster: not running ({state}): no cluster.env", file=sys.stderr)
             return 1
+        cluster = Cluster.from_env_text(state, env.read_text())
         pki.write_kubeconfig(cluster.pki, args[0], cluster.ports.api, Path(os.path.abspath(args[1])))
         return 0
     print(USAGE, file=sys.stderr)
@@ -68,5 +72,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except subprocess.CalledProcessError as exc:
-        lifecycle.log(f"ERROR: {' '.join(map(str, exc.cmd))} exited with {exc.returncode}")
+        print(f"cluster: ERROR: {' '.join(map(str, exc.cmd))} exited with {exc.returncode}", file=sys.stderr)
         sys.exit(1)
