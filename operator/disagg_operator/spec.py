@@ -32,7 +32,7 @@ DEFAULT_GPU_IMAGE = f"vllm/vllm-openai:v{DEFAULT_VLLM_VERSION}"
 # Disagg's images: the operator/sidecar (Dockerfile) and the CPU engine (images/vllm-cpu.Dockerfile).
 IMAGE_REGISTRY = "ghcr.io/disagg"
 DEFAULT_CPU_IMAGE = f"{IMAGE_REGISTRY}/vllm-cpu:v{DEFAULT_VLLM_VERSION}"
-DEFAULT_SIDECAR_IMAGE = f"{IMAGE_REGISTRY}/disagg:v0.1.0"
+DEFAULT_SIDECAR_IMAGE = f"{IMAGE_REGISTRY}/disagg:0.1.0"  # the operator image the chart installs (its appVersion)
 
 # Bounds that keep CEL cost estimates finite (the API server rejects unbounded list/string rules).
 MAX_ARGS = 64

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tomllib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -201,12 +202,15 @@ def test_chart_crds_are_the_top_level_crds() -> None:
 
 def test_default_engine_and_sidecar_images_come_from_the_operator_image_registry() -> None:
     """The spec's default CPU engine image (images/vllm-cpu.Dockerfile, tagged by vLLM version) and
-    sidecar image sit beside the operator image the chart installs."""
+    sidecar image sit beside the operator image the chart installs; the sidecar's is that very image
+    (the chart's appVersion, the package's version)."""
     from disagg_operator.spec import DEFAULT_CPU_IMAGE, DEFAULT_SIDECAR_IMAGE, DEFAULT_VLLM_VERSION
 
     registry = yaml.safe_load((CHART / "values.yaml").read_text())["image"]["repository"].rsplit("/", 1)[0]
     assert DEFAULT_CPU_IMAGE == f"{registry}/vllm-cpu:v{DEFAULT_VLLM_VERSION}"
-    assert DEFAULT_SIDECAR_IMAGE.startswith(f"{registry}/disagg:")
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert DEFAULT_SIDECAR_IMAGE == f"{registry}/disagg:{app_version}"
+    assert app_version == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     dockerfile = (REPO / "images" / "vllm-cpu.Dockerfile").read_text()
     assert f"ARG VLLM_VERSION={DEFAULT_VLLM_VERSION}" in dockerfile
     assert "FROM vllm/vllm-openai-cpu:v${VLLM_VERSION}" in dockerfile
