@@ -33,6 +33,7 @@ APP = "disagg"
 OPERATOR = "disagg-operator"  # also the server-side-apply field manager
 
 SIDECAR_COMPONENT = "sidecar"
+SECURITY_COMPONENT = "security"
 CONFIG_COMPONENT = "config"
 CLIENT_COMPONENT = "router"
 
@@ -57,6 +58,13 @@ def pool_service(model: str, role: Role) -> str:
 
 def config_map(model: str) -> str:
     return f"{model}-config"
+
+
+def engine_api_key_secret(model: str) -> str:
+    return f"{model}-engine-api-key"
+
+
+API_KEY_KEY = "api-key"  # the key of the engine key Secret's data (and a client key Secret's default)
 
 
 def sidecar_account(model: str) -> str:

@@ -70,6 +70,14 @@ def _with_plugin(env: tuple[EnvVar, ...], plugin: str) -> tuple[EnvVar, ...]:
     return _merge_env(env, [EnvVar(engine_args.VLLM_PLUGINS, value)])
 
 
+def _with_api_key(env: tuple[EnvVar, ...], spec: DisaggregatedModelSpec, model: str) -> tuple[EnvVar, ...]:
+    """The engine key from the model's Secret (security.engineAPIKey), over any value of the user's."""
+    if not spec.security.engine_api_key.enabled:
+        return env
+    ref = {"secretKeyRef": {"name": names.engine_api_key_secret(model), "key": names.API_KEY_KEY}}
+    return _merge_env(env, [EnvVar(engine_args.VLLM_API_KEY, None, ref)])
+
+
 def _autoscaling(pool: PoolSpec) -> AutoscalingPlan | None:
     a = pool.autoscaling
     if a is None:
@@ -87,6 +95,7 @@ def _pool_plan(i: PoolInputs, role: Role, pool: PoolSpec, launcher: Launcher, ar
                env: tuple[EnvVar, ...], side_ports: tuple[int, ...] = (), uses_template: bool = False) -> PoolPlan:
     spec, template = i.spec, i.template
     gpu = isinstance(pool, GPUPoolSpec)
+    env = _with_api_key(env, spec, i.name)
     vllm_args = (*args, *spec.model.engine_args, *pool.extra_args)
     shared_claim = i.kv.shared_claim if gpu else None
     effective: dict[str, Any] = {

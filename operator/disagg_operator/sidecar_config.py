@@ -12,10 +12,24 @@ from dataclasses import dataclass
 from disagg_operator import engine_args, names
 from disagg_operator.spec import DisaggregatedModelSpec
 from disagg_sidecar.config import (
-    Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Listen, Prefill, SidecarConfig, StaticDiscovery, Tier,
+    Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Listen, Prefill, SidecarConfig, StaticDiscovery, Tier,
     Timeouts,
 )
 from disagg_sidecar.discovery_config import Discovery
+
+
+# Where decode pods mount the API key Secrets for the sidecar (outside the config's read-only mount).
+KEYS_DIR = "/var/run/disagg"
+ENGINE_KEY_DIR = f"{KEYS_DIR}/engine-api-key"
+CLIENT_KEY_DIR = f"{KEYS_DIR}/client-api-key"
+
+
+def auth(spec: DisaggregatedModelSpec) -> Auth:
+    """The sidecar's key files in a decode pod: each Secret's key is mounted as ``<dir>/api-key``."""
+    security = spec.security
+    files = {"engine_api_key_file": f"{ENGINE_KEY_DIR}/{names.API_KEY_KEY}" if security.engine_api_key.enabled else None,
+             "client_api_key_file": f"{CLIENT_KEY_DIR}/{names.API_KEY_KEY}" if security.client_api_key else None}
+    return Auth(**{k: v for k, v in files.items() if v})  # unset stays unset: the file keeps the sidecar's defaults
 
 
 @dataclass(frozen=True)
@@ -74,7 +88,9 @@ def build(
             **({"min_prompt_tokens": shortest} if (shortest := max(min_prompt_tokens, router.min_prefill_tokens)) else {}),
         )
     t = router.timeouts
+    keys = auth(spec)
     return SidecarConfig(
+        **({"auth": keys} if keys.model_fields_set else {}),
         version=1, served_model_name=served_name, listen=listen, decode=Decode(url=endpoints.decode_url),
         render=_tier(endpoints.render_url), derender=_tier(endpoints.derender_url), prefill=prefill,
         kv_connector=kv_connector,

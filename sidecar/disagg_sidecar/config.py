@@ -36,6 +36,9 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       extension: true                    # decode runs Disagg's engine extension
       prefill_tokens_only: true
       features: {generate_output_mode_derender: true, render_parse_context: true}
+    auth:                                # optional API keys, files holding one key each
+      engine_api_key_file: /etc/disagg/engine-api-key/api-key   # sent to every engine
+      client_api_key_file: /etc/disagg/client-api-key/api-key   # required from clients
 """
 
 from __future__ import annotations
@@ -166,6 +169,15 @@ class Limits(_Model):
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
 
 
+class Auth(_Model):
+    """API keys, each read from a file (a mounted Secret) once at start; docs/security.md."""
+
+    engine_api_key_file: str | None = Field(
+        None, description="Sent as `Authorization: Bearer` on every upstream request (the engines' VLLM_API_KEY).")
+    client_api_key_file: str | None = Field(
+        None, description="Clients must send this key as `Authorization: Bearer`; /health* and /metrics stay open.")
+
+
 class EngineFeatures(BaseModel):
     """What the engines' vLLM version offers (the operator derives it from the version).
 
@@ -202,6 +214,7 @@ class SidecarConfig(_Model):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     limits: Limits = Field(default_factory=Limits)
     engine: Engine = Field(default_factory=Engine)
+    auth: Auth = Field(default_factory=Auth)
 
     @model_validator(mode="after")
     def _connector(self) -> SidecarConfig:

@@ -8,6 +8,7 @@ from disagg_operator import engine_args, names
 from disagg_operator.names import Role
 from disagg_operator.plan import Plan
 from disagg_operator.pool_plan import MODEL_MOUNT_ROOT, PoolPlan
+from disagg_operator.sidecar_config import CLIENT_KEY_DIR, ENGINE_KEY_DIR
 from disagg_sidecar.discovery_config import SERVICE_ACCOUNT_DIR
 
 SIDECAR_CONFIG_DIR = "/etc/disagg"
@@ -78,6 +79,7 @@ def _sidecar_container(plan: Plan) -> dict[str, Any]:
     mounts = [{"name": "sidecar-config", "mountPath": SIDECAR_CONFIG_DIR, "readOnly": True}]
     if plan.disaggregated:  # prefill discovery reads EndpointSlices; only this container gets a token
         mounts.append({"name": "api-token", "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True})
+    mounts += [{"name": name, "mountPath": path, "readOnly": True} for name, path in _key_mounts(plan)]
     container: dict[str, Any] = {
         "name": names.SIDECAR_CONTAINER,
         "image": sidecar.image,
@@ -91,6 +93,28 @@ def _sidecar_container(plan: Plan) -> dict[str, Any]:
     if plan.spec.engine.image_pull_policy:
         container["imagePullPolicy"] = plan.spec.engine.image_pull_policy
     return container
+
+
+def _key_mounts(plan: Plan) -> list[tuple[str, str]]:
+    security = plan.spec.security
+    return [*([("engine-api-key", ENGINE_KEY_DIR)] if security.engine_api_key.enabled else []),
+            *([("client-api-key", CLIENT_KEY_DIR)] if security.client_api_key else [])]
+
+
+def _key_volumes(plan: Plan) -> list[dict[str, Any]]:
+    """The sidecar's API key Secrets, each key as the file ``api-key`` (sidecar_config.auth), owner-read only."""
+    security, volumes = plan.spec.security, []
+    if security.engine_api_key.enabled:
+        volumes.append(_secret_volume("engine-api-key", names.engine_api_key_secret(plan.name), names.API_KEY_KEY))
+    if (client := security.client_api_key) is not None:
+        volumes.append(_secret_volume("client-api-key", client.name, client.key))
+    return volumes
+
+
+def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
+    # 0440 with fsGroup: the non-root containers of the pod can read it, nobody else.
+    return {"name": volume, "secret": {"secretName": secret, "defaultMode": 0o440,
+                                       "items": [{"key": key, "path": names.API_KEY_KEY}]}}
 
 
 def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
@@ -119,6 +143,7 @@ def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
                 {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
                 {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
             ]}})
+        volumes += _key_volumes(plan)
     return volumes
 
 
