@@ -57,7 +57,9 @@ def test_without_a_kv_size_engines_get_the_cpu_default_and_user_env_wins(tmp_pat
 
 
 def test_engines_and_sidecar_share_a_key_from_the_state_directory(tmp_path):
-    procs = _processes(tmp_path)
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    del doc["spec"]["security"]  # the default: on
+    procs = _processes(tmp_path, doc)
     key_file = tmp_path / ENGINE_KEY_FILE
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     key = key_file.read_text().strip()
@@ -71,8 +73,8 @@ def test_engines_and_sidecar_share_a_key_from_the_state_directory(tmp_path):
 
 def test_switched_off_local_engines_take_no_key(tmp_path):
     doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["security"] = {"engineAPIKey": {"enabled": False}}
-    procs = _processes(tmp_path, doc)
+    assert doc["spec"]["security"] == {"engineAPIKey": {"enabled": False}}  # the example's own setting
+    procs = _processes(tmp_path)
     assert not (tmp_path / ENGINE_KEY_FILE).exists()
     assert all("VLLM_API_KEY" not in p.env for p in procs.values())
     assert procs["sidecar-0"].config.auth.engine_api_key_file is None
@@ -80,6 +82,6 @@ def test_switched_off_local_engines_take_no_key(tmp_path):
 
 def test_a_client_key_secret_needs_a_cluster(tmp_path):
     doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["security"] = {"clientAPIKey": {"name": "keys"}}
+    doc["spec"]["security"] = {"engineAPIKey": {"enabled": False}, "clientAPIKey": {"name": "keys"}}
     with pytest.raises(SpecError, match="clientAPIKey"):
         _processes(tmp_path, doc)
