@@ -76,8 +76,13 @@ def side_channel_port_name(prefix: str, rank: int) -> str:
     return prefix if rank == 0 else f"{prefix}-{rank}"
 
 
-def service_url(service: str, namespace: str, port: int) -> str:
-    return f"http://{service}.{namespace}.svc:{port}"
+def service_url(service: str, namespace: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://{service}.{namespace}.svc:{port}"
+
+
+def engine_tls_name(model: str, namespace: str) -> str:
+    """The DNS name every engine certificate carries (security.tls): the sidecar verifies it."""
+    return f"{model}-engine.{namespace}.svc"
 
 
 def labels(model: str, component: str) -> dict[str, str]:

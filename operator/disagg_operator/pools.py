@@ -96,7 +96,8 @@ def _pool_plan(i: PoolInputs, role: Role, pool: PoolSpec, launcher: Launcher, ar
     spec, template = i.spec, i.template
     gpu = isinstance(pool, GPUPoolSpec)
     env = _with_api_key(env, spec, i.name)
-    vllm_args = (*args, *spec.model.engine_args, *pool.extra_args)
+    vllm_args = (*args, *(engine_args.TLS_FLAGS if spec.security.tls else ()), *spec.model.engine_args,
+                 *pool.extra_args)
     shared_claim = i.kv.shared_claim if gpu else None
     effective: dict[str, Any] = {
         "role": role, "image": spec.engine.gpu_image if gpu else spec.engine.cpu_image,

@@ -38,8 +38,19 @@ class SecretKeyRef(WireModel):
     key: ShortString = "api-key"
 
 
+class TLSSpec(WireModel):
+    """HTTPS between the sidecar and every engine, with a certificate the user provides."""
+
+    secret_name: ShortString = Field(
+        description="A Secret with tls.crt, tls.key and ca.crt (cert-manager's keys), e.g. from a cert-manager "
+        "Certificate. tls.crt must carry the DNS name <name>-engine.<namespace>.svc: the sidecar verifies every "
+        "engine against that name (prefill pods are dialled by IP). Engines get --ssl-keyfile/--ssl-certfile, "
+        "probes use HTTPS, the sidecar verifies with ca.crt. The client port stays HTTP.")
+
+
 class SecuritySpec(WireModel):
     engine_api_key: EngineAPIKeySpec = Field(default_factory=EngineAPIKeySpec, alias="engineAPIKey")
     client_api_key: SecretKeyRef | None = Field(
         None, alias="clientAPIKey", description="A Secret key clients must send as `Authorization: Bearer` to the "
         "sidecar port (401 otherwise; /health and /metrics stay open). Unset: the client port takes no key.")
+    tls: TLSSpec | None = Field(None, description="HTTPS between the sidecar and the engines; unset: plain HTTP.")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from disagg_operator import engine_args, names
 from disagg_operator.spec import DisaggregatedModelSpec
 from disagg_sidecar.config import (
-    Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Listen, Prefill, SidecarConfig, StaticDiscovery, Tier,
+    TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Listen, Prefill, SidecarConfig, StaticDiscovery, Tier,
     Timeouts,
 )
 from disagg_sidecar.discovery_config import Discovery
@@ -40,20 +40,27 @@ class Endpoints:
     render_url: str | None
     derender_url: str | None
     prefill_discovery: Discovery | None
+    tls: TLS | None = None
 
 
 def cluster_endpoints(
     *, namespace: str, engine_port: int, render_service: str | None, derender_service: str | None,
-    prefill_service: str | None,
+    prefill_service: str | None, tls_name: str | None = None,
 ) -> Endpoints:
-    """In Kubernetes: render/derender through their Services, prefill pods from EndpointSlices."""
+    """In Kubernetes: render/derender through their Services, prefill pods from EndpointSlices;
+    ``tls_name``: engines serve HTTPS with certificates for that name (security.tls)."""
+    scheme = "https" if tls_name else "http"
+
     def url(service: str | None) -> str | None:
-        return names.service_url(service, namespace, engine_port) if service else None
+        return names.service_url(service, namespace, engine_port, scheme) if service else None
 
     return Endpoints(
-        decode_url=f"http://127.0.0.1:{engine_port}", render_url=url(render_service), derender_url=url(derender_service),
+        decode_url=f"{scheme}://127.0.0.1:{engine_port}", render_url=url(render_service),
+        derender_url=url(derender_service),
         prefill_discovery=None if prefill_service is None else EndpointSliceDiscovery(
-            namespace=namespace, service=prefill_service, port_name=names.ENGINE_PORT, port=engine_port),
+            namespace=namespace, service=prefill_service, port_name=names.ENGINE_PORT, port=engine_port,
+            **({"scheme": scheme} if tls_name else {})),  # unset stays unset: no new config, no roll
+        tls=TLS(ca_file=f"{engine_args.TLS_CA_DIR}/ca.crt", server_name=tls_name) if tls_name else None,
     )
 
 
@@ -90,7 +97,7 @@ def build(
     t = router.timeouts
     keys = auth(spec)
     return SidecarConfig(
-        **({"auth": keys} if keys.model_fields_set else {}),
+        **({"auth": keys} if keys.model_fields_set else {}), **({"tls": endpoints.tls} if endpoints.tls else {}),
         version=1, served_model_name=served_name, listen=listen, decode=Decode(url=endpoints.decode_url),
         render=_tier(endpoints.render_url), derender=_tier(endpoints.derender_url), prefill=prefill,
         kv_connector=kv_connector,

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from disagg_sidecar import auth, capabilities, handlers, wire
+from disagg_sidecar import auth, capabilities, handlers, tls, wire
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import get_connector
 from disagg_sidecar.decoding import Decoder
@@ -168,6 +168,7 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
         limit=0,  # the sidecar's own concurrency limit bounds this
         keepalive_timeout=config.limits.keepalive_seconds,  # below vLLM's 5 s (uvicorn closes idle ones)
         ttl_dns_cache=10,
+        **({"ssl": context} if (context := tls.client_context(config)) else {}),
     )
     # The engine key goes on every request of this session (legs, aborts, probes); the client's
     # own Authorization header is never forwarded (wire.FORWARDED_HEADERS).

@@ -39,6 +39,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
     auth:                                # optional API keys, files holding one key each
       engine_api_key_file: /etc/disagg/engine-api-key/api-key   # sent to every engine
       client_api_key_file: /etc/disagg/client-api-key/api-key   # required from clients
+    tls: {ca_file: /var/run/disagg/tls-ca/ca.crt, server_name: qwen-engine.ns.svc}   # optional: https engines
 """
 
 from __future__ import annotations
@@ -178,6 +179,15 @@ class Auth(_Model):
         None, description="Clients must send this key as `Authorization: Bearer`; /health* and /metrics stay open.")
 
 
+class TLS(_Model):
+    """HTTPS to the engines (their URLs say https://), verified with ``ca_file``."""
+
+    ca_file: str = Field(description="The CA bundle engine certificates are verified with.")
+    server_name: str | None = Field(
+        None, description="Verify every engine certificate against this name, not the dialled host (prefill pods "
+        "are dialled by IP, decode on 127.0.0.1); None: the host of each URL.")
+
+
 class EngineFeatures(BaseModel):
     """What the engines' vLLM version offers (the operator derives it from the version).
 
@@ -215,6 +225,7 @@ class SidecarConfig(_Model):
     limits: Limits = Field(default_factory=Limits)
     engine: Engine = Field(default_factory=Engine)
     auth: Auth = Field(default_factory=Auth)
+    tls: TLS | None = None
 
     @model_validator(mode="after")
     def _connector(self) -> SidecarConfig:

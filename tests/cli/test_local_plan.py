@@ -80,8 +80,9 @@ def test_switched_off_local_engines_take_no_key(tmp_path):
     assert procs["sidecar-0"].config.auth.engine_api_key_file is None
 
 
-def test_a_client_key_secret_needs_a_cluster(tmp_path):
+@pytest.mark.parametrize("field, value", [("clientAPIKey", {"name": "keys"}), ("tls", {"secretName": "certs"})])
+def test_secrets_of_a_cluster_are_refused_locally(tmp_path, field, value):
     doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["security"] = {"engineAPIKey": {"enabled": False}, "clientAPIKey": {"name": "keys"}}
-    with pytest.raises(SpecError, match="clientAPIKey"):
+    doc["spec"]["security"] = {"engineAPIKey": {"enabled": False}, field: value}
+    with pytest.raises(SpecError, match=f"security.{field}"):
         _processes(tmp_path, doc)

@@ -66,8 +66,9 @@ def check_connector(plan: Plan) -> None:
 
 
 def check_security(plan: Plan) -> None:
-    if plan.spec.security.client_api_key is not None:
-        raise SpecError(["security.clientAPIKey names a Kubernetes Secret: local mode has none; unset it"])
+    for field, value in (("clientAPIKey", plan.spec.security.client_api_key), ("tls", plan.spec.security.tls)):
+        if value is not None:
+            raise SpecError([f"security.{field} names a Kubernetes Secret: local mode has none; unset it"])
 
 
 def _env(pool: PoolPlan, api_key: str | None) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""security.engineAPIKey and security.clientAPIKey: the Secret, who gets the key and how, the
-sidecar's configuration, and convergence creating the Secret once (docs/security.md)."""
+"""spec.security: the engine key Secret, who gets the key and how, the client key, TLS between
+tiers, the sidecar's configuration, and convergence creating the Secret once (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from disagg_sidecar.config import SidecarConfig, dump_config
 
 OFF = {"security": {"engineAPIKey": {"enabled": False}}}
 CLIENT = {"security": {"clientAPIKey": {"name": "client-keys", "key": "token"}}}
+TLS = {"security": {"tls": {"secretName": "engine-certs"}}}
 KEY_ENV = {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "qwen3-8b-engine-api-key", "key": "api-key"}}}
 
 
@@ -130,3 +131,43 @@ def test_converge_creates_the_secret_once_with_a_random_key() -> None:
     converge({**doc, "metadata": {**doc["metadata"], "uid": "uid-other"}}, {}, other, now="t")
     assert other.stored["qwen3-8b-engine-api-key"]["data"] != api.stored["qwen3-8b-engine-api-key"]["data"]
 
+
+
+def test_tls_serves_every_engine_on_https_and_the_sidecar_verifies_one_name() -> None:
+    objs = objects(merged(full_spec(), TLS))
+    for (pod, name), c in containers(objs).items():
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        if name == "vllm":
+            args = c["args"]
+            assert args[args.index("--ssl-keyfile") + 1] == f"{mounts['engine-tls']}/tls.key"
+            assert args[args.index("--ssl-certfile") + 1] == f"{mounts['engine-tls']}/tls.crt"
+            assert all(c[p]["httpGet"]["scheme"] == "HTTPS" for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+        else:  # the sidecar: the CA, never the engines' key; its client port stays HTTP
+            assert "engine-tls" not in mounts and "engine-tls-ca" in mounts
+            assert "scheme" not in c["readinessProbe"]["httpGet"]
+    decode = objs[("Deployment", "qwen3-8b-decode")]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v["secret"] for v in decode["volumes"] if "secret" in v}
+    assert volumes["engine-tls"]["secretName"] == volumes["engine-tls-ca"]["secretName"] == "engine-certs"
+    assert [i["key"] for i in volumes["engine-tls"]["items"]] == ["tls.crt", "tls.key"]
+    assert [i["key"] for i in volumes["engine-tls-ca"]["items"]] == ["ca.crt"]
+    assert ("Secret", "engine-certs") not in objs
+
+    config = SidecarConfig.model_validate(dump_config(plan_of(merged(full_spec(), TLS)).sidecar.config))
+    assert config.tls is not None and config.tls.server_name == "qwen3-8b-engine.prod.svc"
+    assert config.tls.ca_file.startswith(next(m["mountPath"] for m in containers(objs)[("qwen3-8b-decode", "sidecar")]
+                                              ["volumeMounts"] if m["name"] == "engine-tls-ca"))
+    urls = [config.decode.url, *config.render_urls, *config.derender_urls]
+    assert all(u.startswith("https://") for u in urls)
+    assert config.prefill.discovery is not None and config.prefill.discovery.scheme == "https"
+
+
+def test_without_tls_the_sidecar_config_is_unchanged() -> None:
+    dumped = dump_config(plan_of(full_spec()).sidecar.config)
+    assert "tls" not in dumped and "scheme" not in dumped["prefill"]["discovery"]
+    assert dumped["decode"]["url"].startswith("http://")
+
+
+@pytest.mark.parametrize("arg", ["--ssl-keyfile=/k", "--ssl-certfile", "--ssl-certf"])
+def test_tls_flags_belong_to_the_spec(arg: str) -> None:
+    with pytest.raises(Exception, match="--ssl-"):
+        parse_spec(merged(full_spec(), {"pools": {"render": {"extraArgs": [arg, "x"]}}}))
