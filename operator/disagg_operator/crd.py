@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel
 
 from disagg_operator import rules
+from disagg_operator.derender import Strategy
 from disagg_operator.spec import (
     GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, DisaggregatedModelSpec,
 )
@@ -155,6 +156,15 @@ def status_schema() -> dict[str, Any]:
                 "type": "string", "description": "prefill-decode, or decode-only when pools.prefill.replicas is 0."
             },
             "readyPools": {"type": "string", "description": "Ready pools / active pools."},
+            "derender": {
+                "type": "object", "description": "How streams are derendered (docs/protocol.md).",
+                "properties": {"strategy": {
+                    "type": "string", "enum": list(get_args(Strategy)),
+                    "description": "inline: decode derenders its own stream (engine.extension); session: the "
+                    "render tier keeps each chat stream's parser state (engine.renderExtension, vLLM 0.32); "
+                    "stateless: each chunk is derendered with the state the sidecar carries.",
+                }},
+            },
             "pools": {"type": "object", "additionalProperties": pool},
             "inferencePool": {
                 "type": "object", "description": "The InferencePool written for router.inferencePool.",
@@ -173,6 +183,7 @@ PRINTER_COLUMNS = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Pools", "type": "string", "jsonPath": ".status.readyPools", "description": "Ready pools / active pools"},
     {"name": "Mode", "type": "string", "jsonPath": ".status.disaggregation", "priority": 1},
+    {"name": "Derender", "type": "string", "jsonPath": ".status.derender.strategy", "priority": 1},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

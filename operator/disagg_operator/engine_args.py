@@ -207,6 +207,12 @@ def vllm_features(version: str) -> dict[str, bool]:
     }
 
 
+def derender_sessions(version: str) -> bool:
+    """A render tier of this vLLM version with the engine extension runs derender sessions: 0.32 only
+    (engine/disagg_engine/vllm_compat.py ``DERENDER_SESSIONS`` decides the same from the running vLLM)."""
+    return parse_version(version)[:2] == (0, 32)
+
+
 def canonical_json(value: Any) -> str:
     """JSON with sorted keys and no spaces: equal configs give byte-equal flags (and hashes)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))

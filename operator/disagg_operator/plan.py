@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_operator import engine_args, names, sidecar_config
+from disagg_operator import derender, engine_args, names, sidecar_config
 from disagg_operator.kv import KV_SHARED_PATH, KVPlan, kv_plan
 from disagg_operator.names import Role
 from disagg_operator.pool_plan import HEALTH_PATH, ChatTemplatePlan, ModelSource, PoolPlan, config_hash
@@ -55,6 +55,7 @@ class Plan:
     sidecar: SidecarPlan
     kv: KVPlan
     derender_shared: bool  # the render pool also derenders (Service <name>-derender → render pods)
+    derender_strategy: derender.Strategy  # how streams are derendered (status.derender.strategy)
     config_hash: str
     service_type: str
     service_port: int
@@ -106,8 +107,9 @@ class Plan:
 def _sidecar_config(spec: DisaggregatedModelSpec, served_name: str, kv: KVPlan, render_tier: bool,
                     endpoints: sidecar_config.Endpoints, listen: Listen) -> SidecarConfig:
     return sidecar_config.build(spec, served_name=served_name, endpoints=endpoints, kv_connector=kv.name,
-                                prefill_tokens_only=render_tier, listen=listen, min_prompt_tokens=kv.min_prompt_tokens,
-                                block_tokens=kv.block_tokens)
+                                prefill_tokens_only=render_tier, listen=listen,
+                                derender_sessions=derender.derender_sessions(spec, render_tier),
+                                min_prompt_tokens=kv.min_prompt_tokens, block_tokens=kv.block_tokens)
 
 
 def _active(pool: PoolSpec | None) -> bool:
@@ -166,7 +168,7 @@ def build_plan(
         name=name, namespace=namespace, spec=spec, served_name=m.served_name or name, model=inputs.model,
         chat_template=template, pools=tuple(plans),
         sidecar=SidecarPlan(spec.router.image, spec.router.port, spec.router.resources, sidecar_cfg), kv=kv,
-        derender_shared=render_tier and not derender_separate,
+        derender_shared=render_tier and not derender_separate, derender_strategy=derender.strategy(spec, render_tier),
         config_hash=config_hash({p.role: p.config_hash for p in plans}), service_type=spec.router.service.type,
         service_port=spec.router.service.port,
     )

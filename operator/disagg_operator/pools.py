@@ -2,7 +2,7 @@
 
 Tier rules:
 - render and derender: ``vllm launch render`` on the CPU image, template + parser flags,
-  ``--renderer-num-workers``;
+  ``--renderer-num-workers``, ``VLLM_PLUGINS=disagg`` with ``engine.renderExtension``;
 - decode: the *same* template + parser flags, ``--enable-scale-out``, parallelism, the KV config
   when a prefill pool exists, ``VLLM_PLUGINS=disagg`` with the engine extension;
 - prefill: ``--tokens-only`` when the render tier feeds it (then no template/parser flags: it
@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_operator import engine_args, names
+from disagg_operator import derender, engine_args, names
 from disagg_operator.engine_args import Launcher
 from disagg_operator.kv import KVPlan
 from disagg_operator.names import Role
@@ -60,11 +60,12 @@ def _user_env(pool: PoolSpec, spec: DisaggregatedModelSpec) -> list[EnvVar]:
     return [EnvVar(e.name, e.value, e.value_from) for e in (*spec.model.env, *pool.env)]
 
 
-def _with_plugin(env: tuple[EnvVar, ...], plugin: str) -> tuple[EnvVar, ...]:
-    """Add ``plugin`` to VLLM_PLUGINS, keeping plugins the user listed (it is also an allowlist)."""
+def _with_plugin(env: tuple[EnvVar, ...], plugin: str, switch: str) -> tuple[EnvVar, ...]:
+    """Add ``plugin`` to VLLM_PLUGINS, keeping plugins the user listed (it is also an allowlist);
+    ``switch``: the spec field that turned it on."""
     current = next((e for e in env if e.name == engine_args.VLLM_PLUGINS), None)
     if current is not None and current.value_from is not None:
-        raise SpecError([f"env {engine_args.VLLM_PLUGINS} must be a plain value when engine.extension is on"])
+        raise SpecError([f"env {engine_args.VLLM_PLUGINS} must be a plain value when {switch} is on"])
     listed = [n for n in re.split(r"[,\s]+", current.value or "") if n] if current else []
     value = ",".join(listed if plugin in listed else [*listed, plugin])
     return _merge_env(env, [EnvVar(engine_args.VLLM_PLUGINS, value)])
@@ -146,7 +147,7 @@ def decode_pool(i: PoolInputs, pool: GPUPoolSpec) -> PoolPlan:
     env, ports = i.kv.side_channel_env(pool)
     decode_env = _merge_env(env, _user_env(pool, i.spec))
     if i.spec.engine.extension:
-        decode_env = _with_plugin(decode_env, wire.ENGINE_EXTENSION)
+        decode_env = _with_plugin(decode_env, wire.ENGINE_EXTENSION, "engine.extension")
     args = [*i.shared, *i.tokenize, *i.parse, engine_args.ENABLE_SCALE_OUT, *_parallel(pool), *i.kv.flags(Role.DECODE)]
     return _pool_plan(i, Role.DECODE, pool, Launcher.SERVE, args, decode_env, ports, uses_template=True)
 
@@ -154,5 +155,7 @@ def decode_pool(i: PoolInputs, pool: GPUPoolSpec) -> PoolPlan:
 def cpu_pool(i: PoolInputs, role: Role, pool: CPUPoolSpec) -> PoolPlan:
     """Render or derender: `vllm launch render` with the decode engine's template and parsers."""
     args = [*i.shared, *i.tokenize, *i.parse, *engine_args.renderer_flags(pool.renderer_workers)]
-    return _pool_plan(i, role, pool, Launcher.LAUNCH_RENDER, args, _merge_env(_user_env(pool, i.spec)),
-                      uses_template=True)
+    env = _merge_env(_user_env(pool, i.spec))
+    if derender.render_extension(i.spec, i.render_tier):
+        env = _with_plugin(env, wire.ENGINE_EXTENSION, "engine.renderExtension")
+    return _pool_plan(i, role, pool, Launcher.LAUNCH_RENDER, args, env, uses_template=True)

@@ -40,6 +40,7 @@ SOURCE_RE = (
     r"|~?/[^ ]*)$"  # ~/PATH: local mode expands it (a Kubernetes pod has no home of yours)
 )
 VERSION_RE = r"^[0-9]+[.][0-9]+[.][0-9]+([-+.a-z][-+.a-z0-9]*)?$"
+STOCK_IMAGE_RE = r"^(docker[.]io/)?vllm/vllm-openai(-cpu)?([:@].*)?$"  # vLLM's own images: no disagg package
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,11 @@ class Rule:
 
 # --- helpers that spell one idea in both languages ---------------------------------------------
 
-def _cel_port(field: str, low: int) -> str:
-    return f"self.{field} >= {low} && self.{field} <= 65535"
-
-
-def _port(value: int, low: int) -> bool:
-    return low <= value <= 65535
+def _port_rule(rule_id: str, target: str, field: str, label: str, low: int, why: str = "") -> Rule:
+    """``target``'s ``field`` (camelCase) is a port number from ``low`` to 65535."""
+    attr = re.sub(r"([A-Z])", r"_\1", field).lower()
+    return Rule(rule_id, target, f"self.{field} >= {low} && self.{field} <= 65535",
+                f"{label} must be between {low} and 65535{why}", lambda v: low <= getattr(v, attr) <= 65535, f".{field}")
 
 
 def _re(pattern: str, value: str) -> bool:
@@ -178,10 +178,13 @@ RULES: tuple[Rule, ...] = (
         lambda e: _version_ok(e.vllm_version), ".vllmVersion",
     ),
     Rule(
-        "engine.port", "EngineSpec", _cel_port("port", 1024),
-        "engine.port must be between 1024 and 65535 (render pods run as non-root)",
-        lambda e: _port(e.port, 1024), ".port",
+        "engine.render-extension-image", "EngineSpec",
+        f"!self.renderExtension || !self.cpuImage.matches('{STOCK_IMAGE_RE}')",
+        "engine.renderExtension needs the disagg package in engine.cpuImage, which names a stock vLLM image: use "
+        "Disagg's CPU engine image (the default; images/vllm-cpu.Dockerfile) or set engine.renderExtension to false",
+        lambda e: not e.render_extension or not _re(STOCK_IMAGE_RE, e.cpu_image), ".cpuImage",
     ),
+    _port_rule("engine.port", "EngineSpec", "port", "engine.port", 1024, " (render pods run as non-root)"),
     # --- KV transfer -----------------------------------------------------------------------------
     Rule(
         # The CRD lists the connectors registered when it is generated; Python reads the registry now.
@@ -189,11 +192,7 @@ RULES: tuple[Rule, ...] = (
         f"kvTransfer.connector must be one of {', '.join(connector_choices())}",
         lambda k: k.connector in connector_choices(), ".connector",
     ),
-    Rule(
-        "kv.side-channel-port", "KVTransferSpec", _cel_port("sideChannelPort", 1024),
-        "kvTransfer.sideChannelPort must be between 1024 and 65535",
-        lambda k: _port(k.side_channel_port, 1024), ".sideChannelPort",
-    ),
+    _port_rule("kv.side-channel-port", "KVTransferSpec", "sideChannelPort", "kvTransfer.sideChannelPort", 1024),
     # --- pools -----------------------------------------------------------------------------------
     Rule(
         "pools.decode-replicas", "PoolsSpec", "self.decode.replicas >= 1",
@@ -242,11 +241,7 @@ RULES: tuple[Rule, ...] = (
         ".targetCPUUtilizationPercentage",
     ),
     # --- router ----------------------------------------------------------------------------------
-    Rule(
-        "router.port", "RouterSpec", _cel_port("port", 1024),
-        "router.port must be between 1024 and 65535 (the sidecar runs as non-root)",
-        lambda r: _port(r.port, 1024), ".port",
-    ),
+    _port_rule("router.port", "RouterSpec", "port", "router.port", 1024, " (the sidecar runs as non-root)"),
     Rule(
         "router.retries", "RouterSpec", "self.retries >= 0 && self.retries <= 5",
         "router.retries must be between 0 and 5", lambda r: 0 <= r.retries <= 5, ".retries",
@@ -265,14 +260,8 @@ RULES: tuple[Rule, ...] = (
         "router.min-prefill-tokens", "RouterSpec", "self.minPrefillTokens >= 0",
         "router.minPrefillTokens must not be negative", lambda r: r.min_prefill_tokens >= 0, ".minPrefillTokens",
     ),
-    Rule(
-        "endpoint-picker.port", "EndpointPicker", _cel_port("port", 1),
-        "router.inferencePool.endpointPicker.port must be between 1 and 65535", lambda p: _port(p.port, 1), ".port",
-    ),
-    Rule(
-        "router.service-port", "RouterService", _cel_port("port", 1),
-        "router.service.port must be between 1 and 65535", lambda s: _port(s.port, 1), ".port",
-    ),
+    _port_rule("endpoint-picker.port", "EndpointPicker", "port", "router.inferencePool.endpointPicker.port", 1),
+    _port_rule("router.service-port", "RouterService", "port", "router.service.port", 1),
 )
 
 

@@ -78,9 +78,11 @@ def _tier(url: str | None) -> Tier:
 
 def build(
     spec: DisaggregatedModelSpec, *, served_name: str, endpoints: Endpoints, kv_connector: str | None,
-    prefill_tokens_only: bool, listen: Listen, min_prompt_tokens: int = 0, block_tokens: int = 16,
+    prefill_tokens_only: bool, listen: Listen, derender_sessions: bool, min_prompt_tokens: int = 0,
+    block_tokens: int = 16,
 ) -> SidecarConfig:
-    """``min_prompt_tokens``: the shortest prompt the KV connector carries; ``block_tokens``: the
+    """``derender_sessions``: the render tier may offer them (``derender.derender_sessions``);
+    ``min_prompt_tokens``: the shortest prompt the KV connector carries; ``block_tokens``: the
     engines' KV block size."""
     router = spec.router
     pool = router.inference_pool.enabled  # an endpoint picker names prefill pods at the sidecar's port
@@ -105,6 +107,6 @@ def build(
                           prefill_seconds=t.prefill_seconds, decode_seconds=t.decode_seconds),
         retries=router.retries, max_body_bytes=router.max_body_bytes,
         engine=Engine(vllm_version=spec.engine.vllm_version, extension=spec.engine.extension,
-                      prefill_tokens_only=prefill_tokens_only,
+                      prefill_tokens_only=prefill_tokens_only, derender_sessions=derender_sessions,
                       features=EngineFeatures(**engine_args.vllm_features(spec.engine.vllm_version))),
     )

@@ -30,8 +30,10 @@ SHORT_NAMES = ("dm",)
 
 DEFAULT_VLLM_VERSION = "0.33.0"
 DEFAULT_GPU_IMAGE = f"vllm/vllm-openai:v{DEFAULT_VLLM_VERSION}"
-DEFAULT_CPU_IMAGE = f"vllm/vllm-openai-cpu:v{DEFAULT_VLLM_VERSION}"
-DEFAULT_SIDECAR_IMAGE = "ghcr.io/disagg/disagg:v0.1.0"
+# Disagg's images: the operator/sidecar (Dockerfile) and the CPU engine (images/vllm-cpu.Dockerfile).
+IMAGE_REGISTRY = "ghcr.io/disagg"
+DEFAULT_CPU_IMAGE = f"{IMAGE_REGISTRY}/vllm-cpu:v{DEFAULT_VLLM_VERSION}"
+DEFAULT_SIDECAR_IMAGE = f"{IMAGE_REGISTRY}/disagg:v0.1.0"
 
 # --- model -----------------------------------------------------------------------------------
 
@@ -96,13 +98,18 @@ class EngineSpec(WireModel):
     """vLLM images and version."""
 
     gpu_image: ShortString = Field(DEFAULT_GPU_IMAGE, description="Image for the prefill and decode engines.")
-    cpu_image: ShortString = Field(DEFAULT_CPU_IMAGE, description="Image for the render and derender tiers.")
+    cpu_image: ShortString = Field(DEFAULT_CPU_IMAGE, description="Image for the render and derender tiers "
+                                   "(default: Disagg's, vLLM's CPU image with the disagg package).")
     vllm_version: Annotated[str, StringConstraints(max_length=64)] = Field(
         DEFAULT_VLLM_VERSION, description="vLLM version in the images; decides which features and flags are used."
     )
     extension: bool = Field(
-        False, description="Enable Disagg's vLLM endpoint plugin on decode (the GPU image must contain the disagg package)."
-    )
+        False, description="Enable Disagg's vLLM endpoint plugin on decode (the GPU image must contain the disagg package): "
+        "decode derenders its own stream.")
+    render_extension: bool = Field(
+        True, description="Enable it on the render and derender pools (cpuImage must contain the disagg package, as the "
+        "default does): on vLLM 0.32 they keep a stream's parser state in a derender session. false: a stock CPU "
+        "image; streams through a stock decode are then derendered per chunk (stateless).")
     port: int = Field(8200, description="HTTP port of every vLLM server.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         None, description="Pull policy of every container (vLLM and sidecar); the cluster default when unset."

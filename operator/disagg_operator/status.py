@@ -18,6 +18,8 @@ InferencePoolReady Only with spec.router.inferencePool.enabled: True when the In
                    False with reason CRDNotInstalled when the cluster lacks its CRD.
 Ready              True when every pool condition (and InferencePoolReady) is True and nothing is Degraded.
 =================  ===========================================================================
+
+Beside them: the endpoint, pool counts, and ``derender.strategy`` (``derender.py``).
 """
 
 from __future__ import annotations
@@ -211,6 +213,7 @@ def compute_status(
         "configHash": plan.config_hash,
         "disaggregation": "prefill-decode" if plan.disaggregated else "decode-only",
         "readyPools": f"{ready_pools}/{len(states)}",
+        "derender": {"strategy": plan.derender_strategy},
         "pools": {
             str(s.role): {"replicas": s.desired, "readyReplicas": s.ready, "updatedReplicas": s.updated,
                           "availableReplicas": s.available, "configHash": pool.config_hash}

@@ -35,6 +35,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       vllm_version: 0.33.0
       extension: true                    # decode runs Disagg's engine extension
       prefill_tokens_only: true
+      derender_sessions: false           # the render tier may offer derender sessions (default true)
       features: {generate_output_mode_derender: true, render_parse_context: true}
     auth:                                # optional API keys, files holding one key each
       engine_api_key_file: /etc/disagg/engine-api-key/api-key   # sent to every engine
@@ -207,6 +208,10 @@ class Engine(_Model):
     vllm_version: str | None = None
     extension: bool = Field(False, description="The decode engine runs Disagg's engine extension.")
     prefill_tokens_only: bool = True
+    derender_sessions: bool = Field(
+        True, description="The derender tier may run derender sessions (the engine extension on a render tier that "
+        "has them): a chained chat stream asks its endpoints (GET /disagg/v1/capabilities) and uses one that "
+        "offers them. false: never asked, every chained stream is stateless.")
     features: EngineFeatures = Field(default_factory=EngineFeatures)
 
 

@@ -8,14 +8,15 @@ its body as it arrives and relays the inline-derender events it answers with. Pe
 is replayed, so no coalescing is needed to bound the cost; chunks that arrive while the body's
 writer waits on the connection are still merged (back-pressure only).
 
-If the session cannot be opened (no endpoint offers sessions, the cap is reached) the stream
-takes today's stateless path (``streaming.ChainedDerender``) from its start. If it fails
-mid-stream, each unfinished choice continues statelessly on another endpoint: one stateless call
-replays the lines the session had answered (``fed``; its output was delivered already and is
-dropped) to get their ``stream_state``, then the rest follows as usual, so the client's output
-stays exact. A choice whose role chunk was delivered does not get a second one. (Not covered:
-a request with stop strings whose session dies after part of a choice was delivered: the
-stateless path cuts a stop string only over a whole choice, ``chained``.)
+Only a derender tier that may offer sessions is asked (``engine.derender_sessions``, which the
+operator sets from the spec). If the session cannot be opened (no endpoint offers sessions, the
+cap is reached) the stream takes today's stateless path (``streaming.ChainedDerender``) from its
+start. If it fails mid-stream, each unfinished choice continues statelessly on another endpoint:
+one stateless call replays the lines the session had answered (``fed``; its output was delivered
+already and is dropped) to get their ``stream_state``, then the rest follows as usual, so the
+client's output stays exact. A choice whose role chunk was delivered does not get a second one.
+(Not covered: a request with stop strings whose session dies after part of a choice was
+delivered: the stateless path cuts a stop string only over a whole choice, ``chained``.)
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ Stateless = Callable[[streaming.Emit], streaming.ChainedDerender]
 
 def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: streaming.Emit,
                    stateless: Stateless) -> Any:
-    """The chained stream's derender: a session for a chat stream, else the stateless one."""
-    if isinstance(stream_call, chained.ChatStream):
+    """The chained stream's derender: a session for a chat stream where the derender tier may
+    offer them, else the stateless one."""
+    if isinstance(stream_call, chained.ChatStream) and up.config.engine.derender_sessions:
         return SessionDerender(up, stream_call, emit, stateless)
     return stateless(emit)

@@ -201,6 +201,19 @@ def test_chart_crds_are_the_top_level_crds() -> None:
     assert not stale, f"charts/disagg/crds/ differs from crds/ for {stale}: cp crds/*.yaml charts/disagg/crds/"
 
 
+def test_default_engine_and_sidecar_images_come_from_the_operator_image_registry() -> None:
+    """The spec's default CPU engine image (images/vllm-cpu.Dockerfile, tagged by vLLM version) and
+    sidecar image sit beside the operator image the chart installs."""
+    from disagg_operator.spec import DEFAULT_CPU_IMAGE, DEFAULT_SIDECAR_IMAGE, DEFAULT_VLLM_VERSION
+
+    registry = yaml.safe_load((CHART / "values.yaml").read_text())["image"]["repository"].rsplit("/", 1)[0]
+    assert DEFAULT_CPU_IMAGE == f"{registry}/vllm-cpu:v{DEFAULT_VLLM_VERSION}"
+    assert DEFAULT_SIDECAR_IMAGE.startswith(f"{registry}/disagg:")
+    dockerfile = (REPO / "images" / "vllm-cpu.Dockerfile").read_text()
+    assert f"ARG VLLM_VERSION={DEFAULT_VLLM_VERSION}" in dockerfile
+    assert "FROM vllm/vllm-openai-cpu:v${VLLM_VERSION}" in dockerfile
+
+
 @pytest.mark.parametrize("values", ["default", "namespaced", "leader-election"])
 def test_helm_lint_passes(cluster: Cluster, values: str) -> None:
     args = {"default": [], "namespaced": ["-f", str(VALUES)],

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 import requests
 
+from disagg_engine import vllm_compat
 from disagg_engine.sessions import (
     CHAT_SESSION_PATH,
     Sessions,
@@ -20,10 +21,17 @@ from disagg_engine.sessions import (
     split_lines,
     tagged,
 )
+from disagg_operator import engine_args
 from tests.engine.session_renders import live
 from tests.sidecar.support import wait_for
 
 # -- pure pieces -------------------------------------------------------------------------------
+
+
+def test_the_operator_expects_sessions_exactly_where_the_engine_runs_them():
+    """status.derender.strategy ``session`` is decided from engine.vllmVersion; the engine decides
+    from the running vLLM: the two agree for the vLLM this lane runs."""
+    assert engine_args.derender_sessions(vllm_compat.vllm_version()) is vllm_compat.DERENDER_SESSIONS
 
 
 def test_split_lines_keeps_the_incomplete_rest():
@@ -118,6 +126,7 @@ def test_render_reports_sessions(session_renders):
     caps = live(session_renders).capabilities()
     assert caps["role"] == "render" and caps["derender_sessions"]["chat_path"] == CHAT_SESSION_PATH
     assert caps["derender_sessions"]["max_sessions"] >= 200
+    assert engine_args.derender_sessions(caps["vllm_version"])  # what the operator expects of this version
 
 
 @pytest.mark.engine

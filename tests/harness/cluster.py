@@ -214,6 +214,15 @@ class Cluster:
                 )
             time.sleep(interval)
 
+    def wait_established(self, crd: str, timeout: float = 60) -> None:
+        """Poll a CRD's Established condition (`kubectl wait` fails on a CRD that has no conditions yet)."""
+        def established() -> bool:
+            obj = json.loads(self.kubectl("get", "crd", crd, "-o", "json").stdout)
+            return any(c["type"] == "Established" and c["status"] == "True"
+                       for c in obj.get("status", {}).get("conditions") or [])
+
+        self.wait_for(established, f"{crd} established", timeout=timeout)
+
     def create_namespace(self, prefix: str) -> str:
         """A fresh namespace with a unique name (tests stay independent across runs)."""
         name = f"{prefix[:40].rstrip('-').lower()}-{os.urandom(3).hex()}"

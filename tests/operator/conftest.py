@@ -20,7 +20,7 @@ CRD = REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml"
 @pytest.fixture(scope="session")
 def crd_installed(cluster):  # type: ignore[no-untyped-def]
     cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/disaggregatedmodels.disagg.dev")
+    cluster.wait_established("disaggregatedmodels.disagg.dev")
     return CRD
 
 

@@ -16,13 +16,7 @@ POOL_PATH = "apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
 
 def install_pool_crd(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-f", str(POOL_CRD))
-
-    def established() -> bool:  # polled: `kubectl wait` fails on a CRD that has no conditions yet
-        crd = json.loads(cluster.kubectl("get", "crd", INFERENCE_POOL.crd, "-o", "json").stdout)
-        return any(c["type"] == "Established" and c["status"] == "True"
-                   for c in crd.get("status", {}).get("conditions") or [])
-
-    cluster.wait_for(established, f"{INFERENCE_POOL.crd} established", timeout=60)
+    cluster.wait_established(INFERENCE_POOL.crd)
 
 
 def remove_pool_crd(cluster: Cluster) -> None:

@@ -147,6 +147,7 @@ def test_example_gets_every_child_with_consistent_flags(cluster: Cluster, operat
     assert {c["type"] for c in status["conditions"]} == {
         "Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "ConfigConsistent", "Progressing",
         "Degraded"}
+    assert status["derender"] == {"strategy": plan.derender_strategy} == {"strategy": "stateless"}  # vLLM 0.33
     table = cluster.kubectl("get", "dm", "-n", ns).stdout.splitlines()
     assert table[0].split() == ["NAME", "READY", "POOLS", "ENDPOINT", "AGE"]
     assert table[1].split()[:4] == ["qwen3-8b", "True", "3/3", f"http://qwen3-8b.{ns}.svc:8000"]
@@ -353,6 +354,35 @@ def test_separate_derender_service_switches_pools_without_rolling_decode(cluster
     cluster.wait_for(lambda: "derender" not in deployments(cluster, ns, "qwen3-8b"), "the derender pool pruned", timeout=90)
     assert get(cluster, ns, "service", "qwen3-8b-derender")["spec"]["selector"][names.POOL] == str(Role.RENDER)
     assert deployments(cluster, ns, "qwen3-8b")["decode"]["metadata"]["generation"] == decode_generation
+
+
+def test_status_records_the_derender_strategy_the_spec_makes(cluster: Cluster, operator: OperatorProcess,
+                                                              ns: str) -> None:
+    """status.derender.strategy in a real API server (the CRD's status schema keeps it), shown by
+    `kubectl get dm -o wide`, following engine.extension, engine.renderExtension and the vLLM version."""
+    apply(cluster, ns, merged(base("strategy"), {"spec": {"engine": {"vllmVersion": "0.32.0"}}}))
+
+    def shows(strategy: str) -> dict[str, Any]:
+        def probe() -> dict[str, Any] | None:
+            dm = get(cluster, ns, "dm", "strategy")
+            current = dm.get("status", {}).get("observedGeneration") == dm["metadata"]["generation"]
+            return dm if current and dm["status"].get("derender") == {"strategy": strategy} else None
+        return cluster.wait_for(probe, f"status.derender.strategy {strategy}", timeout=READY_TIMEOUT)
+
+    def render_plugins() -> str | None:
+        vllm = next(c for c in deployments(cluster, ns, "strategy")["render"]["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == names.VLLM_CONTAINER)
+        return next((e.get("value") for e in vllm.get("env", []) if e["name"] == "VLLM_PLUGINS"), None)
+
+    shows("session")
+    assert render_plugins() == "disagg"
+    wide = [line.split() for line in cluster.kubectl("get", "dm", "strategy", "-n", ns, "-o", "wide").stdout.splitlines()]
+    assert wide[1][wide[0].index("DERENDER")] == "session"
+    for patch, strategy in [({"extension": True}, "inline"),
+                            ({"extension": False, "renderExtension": False}, "stateless")]:
+        cluster.kubectl("patch", "dm", "strategy", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"engine": patch}}))
+        shows(strategy)
+    cluster.wait_for(lambda: render_plugins() is None, "the render pool without the extension", timeout=READY_TIMEOUT)
 
 
 # --- NetworkPolicies (the local control plane enforces none: the objects are what is checked) -----

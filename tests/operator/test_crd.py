@@ -90,7 +90,8 @@ def test_crd_identity_subresource_and_columns() -> None:
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns == {
         "Ready": '.status.conditions[?(@.type=="Ready")].status', "Pools": ".status.readyPools",
-        "Mode": ".status.disaggregation", "Endpoint": ".status.endpoint", "Age": ".metadata.creationTimestamp",
+        "Mode": ".status.disaggregation", "Derender": ".status.derender.strategy", "Endpoint": ".status.endpoint",
+        "Age": ".metadata.creationTimestamp",
     }
 
 

@@ -47,7 +47,7 @@ def test_tiers_get_their_launchers_images_and_role_flags() -> None:
     render, derender, decode, prefill = (plan.pool(r) for r in (Role.RENDER, Role.DERENDER, Role.DECODE, Role.PREFILL))
     assert argv(plan, Role.RENDER)[:3] == ["vllm", "launch", "render"]
     assert argv(plan, Role.DECODE)[:2] == argv(plan, Role.PREFILL)[:2] == ["vllm", "serve"]
-    assert render.image == derender.image == "vllm/vllm-openai-cpu:v0.33.0" and not render.gpu
+    assert render.image == derender.image == "ghcr.io/disagg/vllm-cpu:v0.33.0" and not render.gpu
     assert decode.image == prefill.image == "vllm/vllm-openai:v0.33.0" and decode.gpu
     assert flags(argv(plan, Role.RENDER))["--renderer-num-workers"] == "8"
     assert flags(argv(plan, Role.DERENDER))["--renderer-num-workers"] == "16"
@@ -153,10 +153,10 @@ def test_derender_shares_the_render_pool_by_default() -> None:
     assert sidecar_file(plan)["derender"]["urls"] == ["http://qwen3-8b-derender.prod.svc:8200"]
 
 
-def test_engine_extension_enables_the_disagg_plugin_on_decode_only() -> None:
+def test_engine_extension_enables_the_disagg_plugin_on_decode_of_the_gpu_pools() -> None:
     plan = plan_of(merged(full_spec(), {"engine": {"extension": True}}))
     assert env(plan.pool(Role.DECODE))["VLLM_PLUGINS"] == "disagg"
-    assert all("VLLM_PLUGINS" not in env(p) for p in plan.pools if p.role != Role.DECODE)
+    assert "VLLM_PLUGINS" not in env(plan.pool(Role.PREFILL))
     spec = merged(full_spec(), {"engine": {"extension": True},
                                 "model": {"env": [{"name": "VLLM_PLUGINS", "value": "lora_resolver"}]}})
     assert env(plan_of(spec).pool(Role.DECODE))["VLLM_PLUGINS"] == "lora_resolver,disagg"
@@ -224,7 +224,9 @@ ROLLS = [
     ("derender workers", {"pools": {"derender": {"rendererWorkers": 2}}}, {"derender"}),
     ("router timeouts", {"router": {"timeouts": {"decodeSeconds": 60}}}, {"decode"}),
     ("sidecar image", {"router": {"image": "ghcr.io/disagg/disagg:v0.2.0"}}, {"decode"}),
-    ("cpu image", {"engine": {"cpuImage": "vllm/vllm-openai-cpu:v0.33.1"}}, {"render", "derender"}),
+    ("cpu image", {"engine": {"cpuImage": "ghcr.io/disagg/vllm-cpu:v0.33.1"}}, {"render", "derender"}),
+    ("render extension", {"engine": {"renderExtension": False}}, {"render", "derender"}),  # 0.33: no sessions
+    ("vllm version", {"engine": {"vllmVersion": "0.32.0"}}, {"decode"}),  # its sidecar: features, sessions
     ("gpu image", {"engine": {"gpuImage": "vllm/vllm-openai:v0.33.1"}}, {"prefill", "decode"}),
     ("kv extra config", {"kvTransfer": {"extraConfig": {"backends": ["UCX", "GDS"]}}}, {"prefill", "decode"}),
     ("decode resources", {"pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}}, {"decode"}),
@@ -269,3 +271,51 @@ def test_extension_refuses_a_vllm_plugins_env_it_cannot_extend() -> None:
         {"name": "VLLM_PLUGINS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}})
     with pytest.raises(SpecError, match="VLLM_PLUGINS must be a plain value when engine.extension is on"):
         plan_of(spec)
+
+
+def test_render_extension_puts_the_plugin_on_the_render_and_derender_pools_by_default() -> None:
+    plan = plan_of(full_spec())
+    assert env(plan.pool(Role.RENDER))["VLLM_PLUGINS"] == env(plan.pool(Role.DERENDER))["VLLM_PLUGINS"] == "disagg"
+    assert all("VLLM_PLUGINS" not in env(plan.pool(r)) for r in (Role.PREFILL, Role.DECODE))
+    spec = merged(full_spec(), {"pools": {"render": {"env": [{"name": "VLLM_PLUGINS", "value": "lora_resolver"}]}}})
+    assert env(plan_of(spec).pool(Role.RENDER))["VLLM_PLUGINS"] == "lora_resolver,disagg"
+    stock = plan_of(merged(full_spec(), {"engine": {"renderExtension": False, "cpuImage": "vllm/vllm-openai-cpu:v0.33.0"}}))
+    assert all("VLLM_PLUGINS" not in env(p) for p in stock.pools)
+
+
+def test_render_extension_refuses_a_vllm_plugins_env_it_cannot_extend() -> None:
+    spec = merged(full_spec(), {"pools": {"derender": {"env": [
+        {"name": "VLLM_PLUGINS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}}})
+    with pytest.raises(SpecError, match="VLLM_PLUGINS must be a plain value when engine.renderExtension is on"):
+        plan_of(spec)
+
+
+STRATEGIES = [
+    # (engine, render replicas) -> status.derender.strategy, the sidecar's engine.derender_sessions
+    ({"vllmVersion": "0.32.0"}, 1, "session", True),
+    ({"vllmVersion": "0.32.0+cpu", "extension": True}, 1, "inline", True),  # sessions stay a fallback
+    ({"vllmVersion": "0.33.0"}, 1, "stateless", False),  # 0.33's render tier offers no sessions
+    ({"vllmVersion": "0.33.0", "extension": True}, 1, "inline", False),
+    ({"vllmVersion": "0.32.0", "renderExtension": False}, 1, "stateless", False),
+    ({"vllmVersion": "0.32.0"}, 0, "stateless", False),  # decode renders and derenders on its own routes
+    ({"vllmVersion": "0.32.0", "extension": True}, 0, "inline", False),
+]
+
+
+@pytest.mark.parametrize(("engine", "renders", "strategy", "sessions"), STRATEGIES)
+def test_the_derender_strategy_and_what_the_sidecar_may_ask_the_render_tier(
+        engine: dict, renders: int, strategy: str, sessions: bool) -> None:
+    spec = merged(example_doc()["spec"], {"engine": engine, "pools": {"render": {"replicas": renders}}})
+    plan = plan_of(spec)
+    assert plan.derender_strategy == strategy
+    assert sidecar_file(plan)["engine"]["derender_sessions"] is sessions
+    assert (plan.render_tier and env(plan.pool(Role.RENDER)).get("VLLM_PLUGINS") == "disagg") \
+        is (renders > 0 and engine.get("renderExtension", True))
+
+
+def test_sessions_coming_or_going_roll_decode_with_the_render_tier() -> None:
+    on = plan_of(merged(full_spec(), {"engine": {"vllmVersion": "0.32.0"}}))
+    off = plan_of(merged(full_spec(), {"engine": {"vllmVersion": "0.32.0", "renderExtension": False}}))
+    changed = {str(p.role) for p in on.pools if p.config_hash != off.pool(p.role).config_hash}
+    assert changed == {"decode", "render", "derender"}  # decode: its sidecar's engine.derender_sessions
+    assert (on.derender_strategy, off.derender_strategy) == ("session", "stateless")

@@ -68,6 +68,17 @@ def test_stateless_derender_tier_still_works(engine_set, forcer, session_sidecar
     assert chat_full_view(got) == chat_full_view(reference.result())
 
 
+def test_a_derender_tier_configured_without_sessions_is_never_asked(engine_set, forcer, session_renders) -> None:
+    """``engine.derender_sessions: false`` (what the operator writes for a render tier without
+    them): a chat stream takes the stateless path although these renders offer sessions."""
+    body = forcer.chat_body("reasoning_tool_call", stream=True)
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, "no-sessions"))
+    with run_sidecar(session_config(engine_set, session_renders, engine={"derender_sessions": False})) as sidecar:
+        got = post_raw(sidecar.url, "/v1/chat/completions", body, "no-sessions")
+        assert stateless_calls(sidecar) > 0
+    assert chat_stream_full_view(got) == chat_stream_full_view(reference.result())
+
+
 @pytest.mark.reliability
 def test_pinned_render_killed_mid_stream(engine_set, forcer, session_renders) -> None:
     """The render process a stream's session is pinned to dies mid-stream: the stream goes on

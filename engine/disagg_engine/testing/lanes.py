@@ -33,4 +33,8 @@ def lane_env(lane: str) -> dict[str, str]:
     if path is None:
         return {}
     rest = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": str(path) + (os.pathsep + rest if rest else ""), "VLLM_TARGET_DEVICE": "cpu"}
+    # Its own vLLM cache: vLLM caches a model class's inspection under one file name per class,
+    # keyed by the model file's hash, so two lanes sharing a cache would evict each other's entry
+    # and every start would inspect the model again in a subprocess (~11 s of CPU here).
+    return {"PYTHONPATH": str(path) + (os.pathsep + rest if rest else ""), "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CACHE_ROOT": str(path / ".vllm-cache")}

@@ -1,0 +1,37 @@
+"""How a model's streams are derendered, decided from the spec (pure): ``status.derender.strategy``.
+
+- ``inline``: decode runs the engine extension (``engine.extension``) and derenders its own stream;
+- ``session``: a stock decode, and the render tier runs the engine extension
+  (``engine.renderExtension``) on a vLLM whose render tier keeps a chat stream's parser state in a
+  derender session (0.32; ``engine_args.derender_sessions``): one call per stream, nothing replayed;
+- ``stateless``: a stock decode and no sessions: every generate chunk goes to a ``/derender`` route
+  (the render tier's, or decode's own without one) with the ``stream_state`` the sidecar carries.
+
+The sidecar is told only what the render tier may offer (``derender_sessions``); it still asks
+each render endpoint at run time (``GET /disagg/v1/capabilities``), so it never uses what is not served.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from disagg_operator import engine_args
+from disagg_operator.spec import DisaggregatedModelSpec
+
+Strategy = Literal["inline", "session", "stateless"]
+
+
+def render_extension(spec: DisaggregatedModelSpec, render_tier: bool) -> bool:
+    """The render and derender pools run the engine extension."""
+    return render_tier and spec.engine.render_extension
+
+
+def derender_sessions(spec: DisaggregatedModelSpec, render_tier: bool) -> bool:
+    """The render tier offers derender sessions."""
+    return render_extension(spec, render_tier) and engine_args.derender_sessions(spec.engine.vllm_version)
+
+
+def strategy(spec: DisaggregatedModelSpec, render_tier: bool) -> Strategy:
+    if spec.engine.extension:
+        return "inline"
+    return "session" if derender_sessions(spec, render_tier) else "stateless"
