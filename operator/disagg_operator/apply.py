@@ -85,6 +85,21 @@ class KubeApi:
             raise _error(exc, what) from None
         return json.loads(response.data)
 
+    def create_if_missing(self, obj: Mapping[str, Any]) -> bool:
+        """Create ``obj`` unless an object of its name exists (then leave that one as it is);
+        whether it was created. Needs only ``create``: the object is never read back."""
+        meta = obj["metadata"]
+        kind = BY_TYPE[(obj["apiVersion"], obj["kind"])]
+        api = getattr(client, kind.client)(self._client)
+        try:
+            getattr(api, f"create_{kind.method_suffix}")(meta["namespace"], dict(obj), field_manager=FIELD_MANAGER,
+                                                           _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 409:  # AlreadyExists: created before (kept across reconciles)
+                return False
+            raise _error(exc, f"create {obj['kind']} {meta['namespace']}/{meta['name']}") from None
+        return True
+
     def delete(self, obj: Mapping[str, Any]) -> None:
         """Delete exactly this object (uid precondition); already gone is fine."""
         meta = obj["metadata"]

@@ -35,7 +35,9 @@ def _documents(path: str, stdin: TextIO) -> list[Any]:
 
 def render_manifests(documents: Iterable[Any], default_namespace: str) -> list[dict[str, Any]]:
     """Every object for every DisaggregatedModel in ``documents`` (SpecError on a bad one)."""
+    from disagg_operator.kinds import BY_TYPE
     from disagg_operator.objects import build_objects
+    from disagg_operator.objects.secrets import with_new_key
     from disagg_operator.plan import build_plan
     from disagg_operator.manifest import parse_manifest
     from disagg_operator.spec import API_VERSION, KIND, SpecError
@@ -46,7 +48,9 @@ def render_manifests(documents: Iterable[Any], default_namespace: str) -> list[d
             kind = doc.get("kind") if isinstance(doc, dict) else type(doc).__name__
             raise SpecError([f"document {i + 1} is a {kind}, not a {API_VERSION} {KIND}"], "input")
         manifest = parse_manifest(doc, default_namespace)
-        out += build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
+        objects = build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
+        # What the operator creates once gets its key here (`kubectl apply` of it again would rotate it).
+        out += [with_new_key(o) if BY_TYPE[(o["apiVersion"], o["kind"])].create_only else o for o in objects]
     return out
 
 

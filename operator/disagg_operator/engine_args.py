@@ -27,6 +27,12 @@ LAUNCHER_ARGV: Mapping[Launcher, tuple[str, ...]] = {
 
 # Environment variables read by vLLM (vllm/envs.py); a KV connector's are in its profile.
 VLLM_PLUGINS = "VLLM_PLUGINS"
+VLLM_API_KEY = "VLLM_API_KEY"  # what vLLM's --api-key defaults to: the key stays out of argv
+
+# security.tls: the user's TLS Secret, mounted in every vLLM container (the sidecar gets ca.crt only).
+TLS_DIR = "/var/run/disagg/tls"
+TLS_CA_DIR = "/var/run/disagg/tls-ca"
+TLS_FLAGS: tuple[str, ...] = ("--ssl-keyfile", f"{TLS_DIR}/tls.key", "--ssl-certfile", f"{TLS_DIR}/tls.crt")
 
 TOKENS_ONLY = "--tokens-only"
 ENABLE_SCALE_OUT = "--enable-scale-out"
@@ -41,6 +47,7 @@ OWNED_FLAGS: tuple[str, ...] = (
     "--tokens-only", "--no-tokens-only", "--enable-scale-out", "--no-enable-scale-out",
     "--renderer-num-workers", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
     "--enable-expert-parallel", "--no-enable-expert-parallel", "-ep", "--api-server-count", "-asc",
+    "--api-key", "--ssl-keyfile", "--ssl-certfile",
 )
 # Flags that change how prompts are rendered or outputs parsed: every tier must agree, so they
 # are accepted in the shared model.engineArgs but not in one pool's extraArgs.

@@ -24,7 +24,7 @@ import kopf
 
 from disagg_operator import drift, metrics, names
 from disagg_operator.apply import ApplyError, KubeApi
-from disagg_operator.kinds import MANAGED_KINDS
+from disagg_operator.kinds import WATCHED_KINDS
 from disagg_operator.reconcile import Outcome, converge, model_status, restore_child
 from disagg_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from disagg_operator.status import status_patch
@@ -66,7 +66,7 @@ def _index_child(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
     return {(namespace, labels[names.INSTANCE]): _plain(body)}
 
 
-for _kind in MANAGED_KINDS:
+for _kind in WATCHED_KINDS:
     kopf.index(*_kind.resource, id="children", labels=CHILD_FILTER)(_index_child)
 
 
@@ -221,5 +221,5 @@ class StatusWriter:
             raise
 
 
-for _kind in MANAGED_KINDS:
+for _kind in WATCHED_KINDS:
     kopf.on.event(*_kind.resource, id=f"child-{_kind.plural}", labels=CHILD_FILTER)(child_changed)

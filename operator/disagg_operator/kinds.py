@@ -19,6 +19,9 @@ class Kind:
     client: str  # the kubernetes client's API class
     method_suffix: str  # its methods are `<verb>_<suffix>` (patch_..., delete_...)
     optional: bool = False  # a custom resource whose CRD a cluster may not have
+    # Created once when missing, then never read, watched, changed or pruned (garbage collection
+    # deletes it with the model): a Secret the operator must not be able to read back.
+    create_only: bool = False
 
     @property
     def custom(self) -> bool:
@@ -44,6 +47,7 @@ INFERENCE_POOL = Kind("inference.networking.k8s.io/v1", "InferencePool", "infere
 MANAGED_KINDS: tuple[Kind, ...] = (
     Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies", "NetworkingV1Api",
          "namespaced_network_policy"),  # before any pod it guards
+    Kind("v1", "Secret", "secrets", "CoreV1Api", "namespaced_secret", create_only=True),  # before pods using it
     Kind("v1", "ServiceAccount", "serviceaccounts", "CoreV1Api", "namespaced_service_account"),
     Kind("rbac.authorization.k8s.io/v1", "Role", "roles", "RbacAuthorizationV1Api", "namespaced_role"),
     Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings", "RbacAuthorizationV1Api",
@@ -57,5 +61,6 @@ MANAGED_KINDS: tuple[Kind, ...] = (
          "namespaced_pod_disruption_budget"),
     INFERENCE_POOL,  # after the pods it selects
 )
+WATCHED_KINDS: tuple[Kind, ...] = tuple(k for k in MANAGED_KINDS if not k.create_only)
 BY_TYPE: Mapping[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in MANAGED_KINDS}
 APPLY_ORDER: Mapping[str, int] = {k.kind: i for i, k in enumerate(MANAGED_KINDS)}

@@ -33,6 +33,7 @@ APP = "disagg"
 OPERATOR = "disagg-operator"  # also the server-side-apply field manager
 
 SIDECAR_COMPONENT = "sidecar"
+SECURITY_COMPONENT = "security"
 CONFIG_COMPONENT = "config"
 CLIENT_COMPONENT = "router"
 
@@ -59,6 +60,13 @@ def config_map(model: str) -> str:
     return f"{model}-config"
 
 
+def engine_api_key_secret(model: str) -> str:
+    return f"{model}-engine-api-key"
+
+
+API_KEY_KEY = "api-key"  # the key of the engine key Secret's data (and a client key Secret's default)
+
+
 def sidecar_account(model: str) -> str:
     return f"{model}-sidecar"
 
@@ -68,8 +76,13 @@ def side_channel_port_name(prefix: str, rank: int) -> str:
     return prefix if rank == 0 else f"{prefix}-{rank}"
 
 
-def service_url(service: str, namespace: str, port: int) -> str:
-    return f"http://{service}.{namespace}.svc:{port}"
+def service_url(service: str, namespace: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://{service}.{namespace}.svc:{port}"
+
+
+def engine_tls_name(model: str, namespace: str) -> str:
+    """The DNS name every engine certificate carries (security.tls): the sidecar verifies it."""
+    return f"{model}-engine.{namespace}.svc"
 
 
 def labels(model: str, component: str) -> dict[str, str]:

@@ -147,6 +147,7 @@ def build_plan(
         # and a separate derender pool re-points a Service instead of rolling decode.
         derender_service=service(Role.DERENDER, render_tier),
         prefill_service=service(Role.PREFILL, disaggregated),
+        tls_name=names.engine_tls_name(name, namespace) if spec.security.tls else None,
     ), Listen(host=LISTEN_HOST, port=spec.router.port))
 
     inputs = PoolInputs(

@@ -71,6 +71,14 @@ def _with_plugin(env: tuple[EnvVar, ...], plugin: str, switch: str) -> tuple[Env
     return _merge_env(env, [EnvVar(engine_args.VLLM_PLUGINS, value)])
 
 
+def _with_api_key(env: tuple[EnvVar, ...], spec: DisaggregatedModelSpec, model: str) -> tuple[EnvVar, ...]:
+    """The engine key from the model's Secret (security.engineAPIKey), over any value of the user's."""
+    if not spec.security.engine_api_key.enabled:
+        return env
+    ref = {"secretKeyRef": {"name": names.engine_api_key_secret(model), "key": names.API_KEY_KEY}}
+    return _merge_env(env, [EnvVar(engine_args.VLLM_API_KEY, None, ref)])
+
+
 def _autoscaling(pool: PoolSpec) -> AutoscalingPlan | None:
     a = pool.autoscaling
     if a is None:
@@ -88,7 +96,9 @@ def _pool_plan(i: PoolInputs, role: Role, pool: PoolSpec, launcher: Launcher, ar
                env: tuple[EnvVar, ...], side_ports: tuple[int, ...] = (), uses_template: bool = False) -> PoolPlan:
     spec, template = i.spec, i.template
     gpu = isinstance(pool, GPUPoolSpec)
-    vllm_args = (*args, *spec.model.engine_args, *pool.extra_args)
+    env = _with_api_key(env, spec, i.name)
+    vllm_args = (*args, *(engine_args.TLS_FLAGS if spec.security.tls else ()), *spec.model.engine_args,
+                 *pool.extra_args)
     shared_claim = i.kv.shared_claim if gpu else None
     effective: dict[str, Any] = {
         "role": role, "image": spec.engine.gpu_image if gpu else spec.engine.cpu_image,

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from disagg_operator import drift, names
 from disagg_operator.kinds import BY_TYPE, Kind
 from disagg_operator.objects import build_objects
+from disagg_operator.objects.secrets import with_new_key
 from disagg_operator.plan import Plan, build_plan
 from disagg_operator.manifest import parse_manifest
 from disagg_operator.spec import API_VERSION, KIND, SpecError
@@ -25,6 +26,8 @@ from disagg_operator.status import compute_status, invalid_status
 
 class Api(Protocol):
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def create_if_missing(self, obj: Mapping[str, Any]) -> bool: ...
 
     def delete(self, obj: Mapping[str, Any]) -> None: ...
 
@@ -97,6 +100,10 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
     missing = {kind for kind in optional if not api.serves(kind)}
     outcome.unavailable = sorted(kind.crd for kind in missing)
     desired = [o for o in desired if BY_TYPE[(o["apiVersion"], o["kind"])] not in missing]
+    for obj in [o for o in desired if BY_TYPE[(o["apiVersion"], o["kind"])].create_only]:
+        if api.create_if_missing(with_new_key(obj)):  # a key is drawn each time, kept only on creation
+            outcome.applied.append(_label(obj))
+    desired = [o for o in desired if not BY_TYPE[(o["apiVersion"], o["kind"])].create_only]
     for obj in drift.to_apply(desired, current):
         _, wrote = _apply(api, obj, current.get(drift.key_of(obj)))
         if wrote:

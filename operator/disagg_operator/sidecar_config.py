@@ -12,10 +12,24 @@ from dataclasses import dataclass
 from disagg_operator import engine_args, names
 from disagg_operator.spec import DisaggregatedModelSpec
 from disagg_sidecar.config import (
-    Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Listen, Prefill, SidecarConfig, StaticDiscovery, Tier,
+    TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Listen, Prefill, SidecarConfig, StaticDiscovery, Tier,
     Timeouts,
 )
 from disagg_sidecar.discovery_config import Discovery
+
+
+# Where decode pods mount the API key Secrets for the sidecar (outside the config's read-only mount).
+KEYS_DIR = "/var/run/disagg"
+ENGINE_KEY_DIR = f"{KEYS_DIR}/engine-api-key"
+CLIENT_KEY_DIR = f"{KEYS_DIR}/client-api-key"
+
+
+def auth(spec: DisaggregatedModelSpec) -> Auth:
+    """The sidecar's key files in a decode pod: each Secret's key is mounted as ``<dir>/api-key``."""
+    security = spec.security
+    files = {"engine_api_key_file": f"{ENGINE_KEY_DIR}/{names.API_KEY_KEY}" if security.engine_api_key.enabled else None,
+             "client_api_key_file": f"{CLIENT_KEY_DIR}/{names.API_KEY_KEY}" if security.client_api_key else None}
+    return Auth(**{k: v for k, v in files.items() if v})  # unset stays unset: the file keeps the sidecar's defaults
 
 
 @dataclass(frozen=True)
@@ -26,20 +40,27 @@ class Endpoints:
     render_url: str | None
     derender_url: str | None
     prefill_discovery: Discovery | None
+    tls: TLS | None = None
 
 
 def cluster_endpoints(
     *, namespace: str, engine_port: int, render_service: str | None, derender_service: str | None,
-    prefill_service: str | None,
+    prefill_service: str | None, tls_name: str | None = None,
 ) -> Endpoints:
-    """In Kubernetes: render/derender through their Services, prefill pods from EndpointSlices."""
+    """In Kubernetes: render/derender through their Services, prefill pods from EndpointSlices;
+    ``tls_name``: engines serve HTTPS with certificates for that name (security.tls)."""
+    scheme = "https" if tls_name else "http"
+
     def url(service: str | None) -> str | None:
-        return names.service_url(service, namespace, engine_port) if service else None
+        return names.service_url(service, namespace, engine_port, scheme) if service else None
 
     return Endpoints(
-        decode_url=f"http://127.0.0.1:{engine_port}", render_url=url(render_service), derender_url=url(derender_service),
+        decode_url=f"{scheme}://127.0.0.1:{engine_port}", render_url=url(render_service),
+        derender_url=url(derender_service),
         prefill_discovery=None if prefill_service is None else EndpointSliceDiscovery(
-            namespace=namespace, service=prefill_service, port_name=names.ENGINE_PORT, port=engine_port),
+            namespace=namespace, service=prefill_service, port_name=names.ENGINE_PORT, port=engine_port,
+            **({"scheme": scheme} if tls_name else {})),  # unset stays unset: no new config, no roll
+        tls=TLS(ca_file=f"{engine_args.TLS_CA_DIR}/ca.crt", server_name=tls_name) if tls_name else None,
     )
 
 
@@ -76,7 +97,9 @@ def build(
             **({"min_prompt_tokens": shortest} if (shortest := max(min_prompt_tokens, router.min_prefill_tokens)) else {}),
         )
     t = router.timeouts
+    keys = auth(spec)
     return SidecarConfig(
+        **({"auth": keys} if keys.model_fields_set else {}), **({"tls": endpoints.tls} if endpoints.tls else {}),
         version=1, served_model_name=served_name, listen=listen, decode=Decode(url=endpoints.decode_url),
         render=_tier(endpoints.render_url), derender=_tier(endpoints.derender_url), prefill=prefill,
         kv_connector=kv_connector,

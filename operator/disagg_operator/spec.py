@@ -9,14 +9,15 @@ validators share one table and one set of messages.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
-from pydantic.alias_generators import to_camel
-from pydantic_core import PydanticCustomError
+from pydantic import Field, StringConstraints
 
-from disagg_operator import rules
 from disagg_operator.kv import connector_description
+from disagg_operator.security_spec import NetworkPolicySpec, SecuritySpec
+from disagg_operator.spec_base import (  # noqa: F401  (re-exported: the API's building blocks)
+    MAX_ARG_LENGTH, MAX_ARGS, Arg, Args, KubeObject, ShortString, WireModel,
+)
 from disagg_sidecar.connectors import DEFAULT as DEFAULT_CONNECTOR
 
 GROUP = "disagg.dev"
@@ -33,34 +34,6 @@ DEFAULT_GPU_IMAGE = f"vllm/vllm-openai:v{DEFAULT_VLLM_VERSION}"
 IMAGE_REGISTRY = "ghcr.io/disagg"
 DEFAULT_CPU_IMAGE = f"{IMAGE_REGISTRY}/vllm-cpu:v{DEFAULT_VLLM_VERSION}"
 DEFAULT_SIDECAR_IMAGE = f"{IMAGE_REGISTRY}/disagg:0.1.0"  # the operator image the chart installs (its appVersion)
-
-# Bounds that keep CEL cost estimates finite (the API server rejects unbounded list/string rules).
-MAX_ARGS = 64
-MAX_ARG_LENGTH = 4096
-
-# Kubernetes objects we pass through untouched (resources, affinity, tolerations, valueFrom, ...).
-KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
-Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LENGTH)]
-Args = Annotated[list[Arg], Field(max_length=MAX_ARGS)]
-ShortString = Annotated[str, StringConstraints(max_length=256)]
-
-
-class WireModel(BaseModel):
-    """Base of every API object: camelCase on the wire, unknown fields rejected, rules enforced."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
-
-    @model_validator(mode="after")
-    def _apply_rules(self) -> WireModel:
-        broken = rules.failures(type(self).__name__, self)
-        if broken:
-            messages = [r.message_for(self) for r in broken]
-            raise PydanticCustomError(
-                "disagg_rule", "{summary}",
-                {"summary": "; ".join(messages), "rules": [r.id for r in broken], "messages": messages},
-            )
-        return self
-
 
 # --- model -----------------------------------------------------------------------------------
 
@@ -264,21 +237,6 @@ class RouterSpec(WireModel):
     resources: KubeObject | None = Field(None, description="Sidecar container resources.")
 
 
-class NetworkPolicySpec(WireModel):
-    """Per-model NetworkPolicies: engine ports reachable only from this model's own pods."""
-
-    enabled: bool = Field(
-        True, description="Write one NetworkPolicy per pool: clients reach only the sidecar port of decode pods; "
-        "render, derender and prefill engines accept only this model's decode pods (and, with NIXL, prefill and "
-        "decode pods accept each other for KV transfer). Needs a network plugin that enforces NetworkPolicies."
-    )
-    extra_engine_from: list[KubeObject] = Field(
-        default_factory=list, max_length=16,
-        description="More sources (NetworkPolicyPeer: podSelector, namespaceSelector, ipBlock) allowed to every "
-        "pool's engine port, e.g. a Prometheus scraping vLLM's /metrics; they can call the engines' whole API.",
-    )
-
-
 class DisaggregatedModelSpec(WireModel):
     """A model served in four tiers: render, prefill, decode, derender, plus the routing sidecar."""
 
@@ -288,6 +246,7 @@ class DisaggregatedModelSpec(WireModel):
     pools: PoolsSpec = Field(default_factory=PoolsSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
 
 
 # --- errors ----------------------------------------------------------------------------------

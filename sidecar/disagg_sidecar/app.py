@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from disagg_sidecar import capabilities, handlers, wire
+from disagg_sidecar import auth, capabilities, handlers, tls, wire
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import get_connector
 from disagg_sidecar.decoding import Decoder
@@ -168,8 +168,11 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
         limit=0,  # the sidecar's own concurrency limit bounds this
         keepalive_timeout=config.limits.keepalive_seconds,  # below vLLM's 5 s (uvicorn closes idle ones)
         ttl_dns_cache=10,
+        **({"ssl": context} if (context := tls.client_context(config)) else {}),
     )
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    # The engine key goes on every request of this session (legs, aborts, probes); the client's
+    # own Authorization header is never forwarded (wire.FORWARDED_HEADERS).
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth.upstream_headers(config))
     upstream = Upstream(
         session, config, app[METRICS],
         render=EndpointPool("render", lambda: config.render_urls, "least-requests"),
@@ -195,7 +198,9 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
 
 
 def build_app(config: SidecarConfig) -> web.Application:
-    app = web.Application(middlewares=[errors_and_access_log], client_max_size=config.max_body_bytes)
+    client_key = auth.client_key_middleware(config)
+    app = web.Application(middlewares=[errors_and_access_log, *([client_key] if client_key else [])],
+                          client_max_size=config.max_body_bytes)
     app[STATE] = state = SidecarState(config)
     app[METRICS] = Metrics()
     app[METRICS].in_flight.set_function(lambda: state.in_flight)  # read at scrape time

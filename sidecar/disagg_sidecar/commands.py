@@ -11,6 +11,7 @@ import sys
 from aiohttp import web
 from pydantic import ValidationError
 
+from disagg_sidecar import auth, tls
 from disagg_sidecar.app import build_app
 from disagg_sidecar.config import SidecarConfig, load_config
 from disagg_sidecar.keys import STATE
@@ -51,6 +52,10 @@ def sidecar_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
+        for key_file in (config.auth.engine_api_key_file, config.auth.client_api_key_file):
+            if key_file:
+                auth.read_key(key_file)  # unreadable or empty: refuse to start, naming the file
+        tls.client_context(config)  # an unreadable CA bundle, likewise
     except (OSError, ValueError, ValidationError) as exc:
         print(f"disagg sidecar: invalid configuration {args.config}: {exc}", file=sys.stderr)
         return 2

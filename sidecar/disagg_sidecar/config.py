@@ -37,6 +37,10 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       prefill_tokens_only: true
       derender_sessions: false           # the render tier may offer derender sessions (default true)
       features: {generate_output_mode_derender: true, render_parse_context: true}
+    auth:                                # optional API keys, files holding one key each
+      engine_api_key_file: /etc/disagg/engine-api-key/api-key   # sent to every engine
+      client_api_key_file: /etc/disagg/client-api-key/api-key   # required from clients
+    tls: {ca_file: /var/run/disagg/tls-ca/ca.crt, server_name: qwen-engine.ns.svc}   # optional: https engines
 """
 
 from __future__ import annotations
@@ -167,6 +171,24 @@ class Limits(_Model):
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
 
 
+class Auth(_Model):
+    """API keys, each read from a file (a mounted Secret) once at start; docs/security.md."""
+
+    engine_api_key_file: str | None = Field(
+        None, description="Sent as `Authorization: Bearer` on every upstream request (the engines' VLLM_API_KEY).")
+    client_api_key_file: str | None = Field(
+        None, description="Clients must send this key as `Authorization: Bearer`; /health* and /metrics stay open.")
+
+
+class TLS(_Model):
+    """HTTPS to the engines (their URLs say https://), verified with ``ca_file``."""
+
+    ca_file: str = Field(description="The CA bundle engine certificates are verified with.")
+    server_name: str | None = Field(
+        None, description="Verify every engine certificate against this name, not the dialled host (prefill pods "
+        "are dialled by IP, decode on 127.0.0.1); None: the host of each URL.")
+
+
 class EngineFeatures(BaseModel):
     """What the engines' vLLM version offers (the operator derives it from the version).
 
@@ -207,6 +229,8 @@ class SidecarConfig(_Model):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     limits: Limits = Field(default_factory=Limits)
     engine: Engine = Field(default_factory=Engine)
+    auth: Auth = Field(default_factory=Auth)
+    tls: TLS | None = None
 
     @model_validator(mode="after")
     def _connector(self) -> SidecarConfig:

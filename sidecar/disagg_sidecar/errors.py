@@ -13,12 +13,15 @@ from http import HTTPStatus
 from typing import Any
 
 
-def error_body(status: int, message: str, type_: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_ or _type_for(status), "param": param, "code": status}}
+def error_body(status: int, message: str, type_: str | None = None, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_ or _type_for(status), "param": param,
+                      "code": status if code is None else code}}
 
 
-def error_bytes(status: int, message: str, type_: str | None = None, param: str | None = None) -> bytes:
-    return json.dumps(error_body(status, message, type_, param)).encode()
+def error_bytes(status: int, message: str, type_: str | None = None, param: str | None = None,
+                code: str | int | None = None) -> bytes:
+    return json.dumps(error_body(status, message, type_, param, code)).encode()
 
 
 def _type_for(status: int) -> str:
@@ -33,12 +36,12 @@ class SidecarError(Exception):
     """A request-level failure with the status, body and headers the client gets."""
 
     def __init__(self, status: int, message: str, *, type_: str | None = None, param: str | None = None,
-                 headers: Mapping[str, str] | None = None, body: bytes | None = None):
+                 code: str | None = None, headers: Mapping[str, str] | None = None, body: bytes | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
-        self.body = body if body is not None else error_bytes(status, message, type_, param)
+        self.body = body if body is not None else error_bytes(status, message, type_, param, code)
 
     @classmethod
     def upstream(cls, status: int, body: bytes, leg: str) -> SidecarError:

@@ -47,10 +47,12 @@ ALLOWED = [
     ("get", CRD_NAME, "status"), ("patch", CRD_NAME, "status"),
     *((verb, "endpointslices.discovery.k8s.io", None) for verb in ("get", "list", "watch")),
     ("create", "events", None), ("patch", "events", None),
+    ("create", "secrets", None),  # the engine API key Secret, created once and never read
 ]
 # ... and must not be able to do even there.
 DENIED_IN_WATCHED = [
-    ("get", "secrets", None), ("list", "secrets", None), ("create", "secrets", None),
+    ("get", "secrets", None), ("list", "secrets", None), ("watch", "secrets", None), ("patch", "secrets", None),
+    ("update", "secrets", None), ("delete", "secrets", None),
     ("create", "pods", None), ("create", "pods", "exec"),
     ("create", CRD_NAME, None), ("delete", CRD_NAME, None), ("update", CRD_NAME, None),
     ("update", "deployments.apps", None), ("create", "endpointslices.discovery.k8s.io", None),

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import stat
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-from disagg_cli.local.plan import KV_SPACE_ENV, LOOPBACK
+from disagg_cli.local.plan import ENGINE_KEY_FILE, KV_SPACE_ENV, LOOPBACK
 from disagg_cli.local.runner import load_spec, plan_processes
+from disagg_operator.spec import SpecError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-tiny.yaml"
 
@@ -51,6 +54,38 @@ def test_without_a_kv_size_engines_get_the_cpu_default_and_user_env_wins(tmp_pat
     assert "--kv-cache-memory-bytes" not in procs["prefill-0"].argv
     assert procs["prefill-0"].env[KV_SPACE_ENV] == "1"
     assert procs["decode-0"].env[KV_SPACE_ENV] == "3"
+
+
+def test_engines_and_sidecar_share_a_key_from_the_state_directory(tmp_path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    del doc["spec"]["security"]  # the default: on
+    procs = _processes(tmp_path, doc)
+    key_file = tmp_path / ENGINE_KEY_FILE
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    key = key_file.read_text().strip()
+    assert len(key) >= 43
+    for name in ("prefill-0", "decode-0", "render-0"):
+        assert procs[name].env["VLLM_API_KEY"] == key
+        assert not any(key in arg or "--api-key" in arg for arg in procs[name].argv)
+    assert procs["sidecar-0"].config.auth.engine_api_key_file == str(key_file)
+    assert "VLLM_API_KEY" not in procs["sidecar-0"].env
+
+
+def test_switched_off_local_engines_take_no_key(tmp_path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    assert doc["spec"]["security"] == {"engineAPIKey": {"enabled": False}}  # the example's own setting
+    procs = _processes(tmp_path)
+    assert not (tmp_path / ENGINE_KEY_FILE).exists()
+    assert all("VLLM_API_KEY" not in p.env for p in procs.values())
+    assert procs["sidecar-0"].config.auth.engine_api_key_file is None
+
+
+@pytest.mark.parametrize("field, value", [("clientAPIKey", {"name": "keys"}), ("tls", {"secretName": "certs"})])
+def test_secrets_of_a_cluster_are_refused_locally(tmp_path, field, value):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["security"] = {"engineAPIKey": {"enabled": False}, field: value}
+    with pytest.raises(SpecError, match=f"security.{field}"):
+        _processes(tmp_path, doc)
 
 
 def test_the_example_render_runs_without_the_extension_and_the_default_would_add_it(tmp_path):

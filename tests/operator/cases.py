@@ -96,6 +96,11 @@ INVALID: tuple[Invalid, ...] = (
             "spec.pools.decode.extraArgs", says=f"extraArgs must not set --tool-call-parser: {OWNED}"),
     Invalid("CPUPoolSpec.extra-args", pools(render={"extraArgs": ["--trust_remote_code"]}), "spec.pools.render.extraArgs",
             says=f"extraArgs must not set --trust-remote-code: {SHARED}"),
+    # The engine key and TLS flags come from spec.security (docs/security.md, "API keys").
+    Invalid("CPUPoolSpec.extra-args", pools(render={"extraArgs": ["--api-key", "k"]}), "spec.pools.render.extraArgs",
+            label="api-key", says=f"extraArgs must not set --api-key: {OWNED}"),
+    Invalid("GPUPoolSpec.extra-args", pools(decode={"extraArgs": ["--ssl-keyfile=/k"]}), "spec.pools.decode.extraArgs",
+            label="tls", says=f"extraArgs must not set --ssl-keyfile: {OWNED}"),
     # Abbreviations argparse would expand, aliases, and --config (docs/security.md, "Engine flags").
     Invalid("CPUPoolSpec.extra-args", pools(derender={"extraArgs": ["--trust-remote"]}), "spec.pools.derender.extraArgs",
             label="abbreviated", says=f"extraArgs must not set --trust-remote (an abbreviation of --trust-remote-code): {SHARED}"),

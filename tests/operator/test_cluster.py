@@ -5,6 +5,7 @@ Every wait is a poll for an observable condition with a stated bound (``cluster.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.cluster
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b.yaml"
 # The kinds the operator creates and their API collections: polls that count them run in-process (a
 # kubectl process per poll would compete with the operator being timed).
-COLLECTIONS = {"serviceaccounts": "api/v1", "configmaps": "api/v1", "services": "api/v1",
+COLLECTIONS = {"secrets": "api/v1", "serviceaccounts": "api/v1", "configmaps": "api/v1", "services": "api/v1",
                "roles": "apis/rbac.authorization.k8s.io/v1", "rolebindings": "apis/rbac.authorization.k8s.io/v1",
                "deployments": "apis/apps/v1", "horizontalpodautoscalers": "apis/autoscaling/v2",
                "poddisruptionbudgets": "apis/policy/v1", "networkpolicies": "apis/networking.k8s.io/v1"}
@@ -112,7 +113,9 @@ def test_example_gets_every_child_with_consistent_flags(cluster: Cluster, operat
     for obj in live.values():
         ref = obj["metadata"]["ownerReferences"][0]
         assert (ref["kind"], ref["name"], ref["controller"]) == ("DisaggregatedModel", "qwen3-8b", True)
-        assert any(m["manager"] == "disagg-operator" and m["operation"] == "Apply"
+        # Applied, except the engine key Secret: created once (an Update entry), never applied.
+        operation = "Update" if obj["kind"] == "Secret" else "Apply"
+        assert any(m["manager"] == "disagg-operator" and m["operation"] == operation
                    for m in obj["metadata"]["managedFields"])
 
     pods = deployments(cluster, ns, "qwen3-8b")
@@ -436,3 +439,52 @@ def test_network_policies_are_on_by_default_restored_and_pruned_when_disabled(
     cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
                     "-p", json.dumps({"spec": {"networkPolicy": {"enabled": True}}}))
     cluster.wait_for(lambda: set(network_policies(cluster, ns, "qwen3-8b")) == pools, "the policies back", timeout=90)
+
+
+# --- the engine API key Secret ---------------------------------------------------------------------
+
+def engine_key_secret(cluster: Cluster, ns: str, model: str) -> dict[str, Any] | None:
+    items = get(cluster, ns, "secrets", "-l", f"{names.INSTANCE}={model}")["items"]
+    return next((o for o in items if o["metadata"]["name"] == names.engine_api_key_secret(model)), None)
+
+
+def test_the_engine_key_secret_is_created_once_used_by_every_engine_and_collected(
+        cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+    cluster.wait_for(lambda: engine_key_secret(cluster, ns, "qwen3-8b"), "the engine key Secret", timeout=90)
+    first = engine_key_secret(cluster, ns, "qwen3-8b")
+    assert first is not None
+    assert first["metadata"]["ownerReferences"][0]["name"] == "qwen3-8b" and first["type"] == "Opaque"
+    assert len(base64.b64decode(first["data"][names.API_KEY_KEY])) >= 43
+    wait_ready(cluster, operator, ns, "qwen3-8b")
+
+    pods = deployments(cluster, ns, "qwen3-8b")
+    assert set(pods) == {"prefill", "decode", "render"}
+    ref = {"secretKeyRef": {"name": "qwen3-8b-engine-api-key", "key": names.API_KEY_KEY}}
+    for role, dep in pods.items():
+        spec = dep["spec"]["template"]["spec"]
+        vllm = next(c for c in spec["containers"] if c["name"] == names.VLLM_CONTAINER)
+        assert {"name": "VLLM_API_KEY", "valueFrom": ref} in vllm["env"], role
+        assert not any("api-key" in a for a in vllm["args"]), role
+    decode = pods["decode"]["spec"]["template"]["spec"]
+    volume = next(v for v in decode["volumes"] if v["name"] == "engine-api-key")
+    assert volume["secret"]["secretName"] == "qwen3-8b-engine-api-key"
+    sidecar = next(c for c in decode["containers"] if c["name"] == names.SIDECAR_CONTAINER)
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "engine-api-key")
+    config = yaml.safe_load(get(cluster, ns, "configmap", "qwen3-8b-config")["data"]["sidecar.yaml"])
+    assert config["auth"]["engine_api_key_file"] == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+
+    # Reconciles (a spec change; an operator-visible child event) leave the Secret as it is.
+    cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"router": {"retries": 2}}}))
+    generation = get(cluster, ns, "dm", "qwen3-8b")["metadata"]["generation"]
+    wait_ready(cluster, operator, ns, "qwen3-8b", generation)
+    cluster.kubectl("delete", "deployment", "qwen3-8b-render", "-n", ns, "--wait=false")
+    cluster.wait_for(lambda: "render" in deployments(cluster, ns, "qwen3-8b"), "the render Deployment back", timeout=90)
+    again = engine_key_secret(cluster, ns, "qwen3-8b")
+    assert again is not None and again["data"] == first["data"]
+    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+
+    cluster.kubectl("delete", "dm", "qwen3-8b", "-n", ns, "--wait=false")
+    cluster.wait_for(lambda: engine_key_secret(cluster, ns, "qwen3-8b") is None,
+                     "garbage collection of the Secret", timeout=180)

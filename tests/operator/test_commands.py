@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import subprocess
 import sys
@@ -28,8 +29,18 @@ def test_disagg_manifests_prints_the_operator_objects(capsys: pytest.CaptureFixt
     assert main(["manifests", str(EXAMPLE), "--namespace", "serving"]) == 0
     printed = list(yaml.safe_load_all(capsys.readouterr().out))
     manifest = parse_manifest(yaml.safe_load(EXAMPLE.read_text()), "serving")
+    # The engine API key Secret carries a fresh random key (the operator adds it on creation).
+    [secret] = [o for o in printed if o["kind"] == "Secret"]
+    key = base64.b64decode(secret.pop("data")["api-key"])
+    assert len(key) >= 43 and key != base64.b64decode(_printed_secret_key())
     assert printed == build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
     assert {o["metadata"]["namespace"] for o in printed} == {"serving"}
+
+
+def _printed_secret_key() -> str:
+    out = subprocess.run([sys.executable, "-m", "disagg_cli.main", "manifests", str(EXAMPLE)], check=True,
+                         capture_output=True, text=True).stdout
+    return next(o for o in yaml.safe_load_all(out) if o["kind"] == "Secret")["data"]["api-key"]
 
 
 def test_disagg_manifests_reads_a_stream_from_stdin(monkeypatch: pytest.MonkeyPatch,

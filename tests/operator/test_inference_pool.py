@@ -154,6 +154,10 @@ class RecordingApi:
         self.applied.append(obj["kind"])
         return {**obj, "metadata": {**obj["metadata"], "resourceVersion": "1"}}
 
+    def create_if_missing(self, obj: Mapping[str, Any]) -> bool:
+        self.applied.append(obj["kind"])
+        return True
+
     def delete(self, obj: Mapping[str, Any]) -> None:
         raise AssertionError("nothing to prune")
 

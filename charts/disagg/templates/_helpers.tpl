@@ -89,6 +89,11 @@ No Secrets, no pods, no cluster-scoped objects.
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The engine API key Secret: created once, never read back (no get/list/watch: no Secret of the
+# namespace is readable by the operator), deleted by garbage collection with its model.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]

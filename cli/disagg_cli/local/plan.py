@@ -23,7 +23,7 @@ from disagg_operator.plan import Plan
 from disagg_operator.pool_plan import PoolPlan
 from disagg_operator.sidecar_config import static_endpoints
 from disagg_operator.spec import SpecError
-from disagg_sidecar.config import SidecarConfig
+from disagg_sidecar.config import Auth, SidecarConfig
 from disagg_sidecar.connectors import REGISTRY, local_connectors
 
 LOOPBACK = "127.0.0.1"
@@ -31,6 +31,7 @@ MODULES = {Launcher.SERVE: SERVE_MODULE, Launcher.LAUNCH_RENDER: RENDER_MODULE}
 # The user's own env from the spec wins over these.
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # whole GiB; overrides --kv-cache-memory-bytes when set
 CPU_ENGINE_ENV = {KV_SPACE_ENV: "1", **servers.CPU_ENGINE_ENV}
+ENGINE_KEY_FILE = "engine-api-key"  # in the state directory, mode 0600: security.engineAPIKey's Secret
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,13 @@ def check_connector(plan: Plan) -> None:
                          f"use {' or '.join(local_connectors())} (shared directory) for local mode"])
 
 
-def _env(pool: PoolPlan) -> dict[str, str]:
+def check_security(plan: Plan) -> None:
+    for field, value in (("clientAPIKey", plan.spec.security.client_api_key), ("tls", plan.spec.security.tls)):
+        if value is not None:
+            raise SpecError([f"security.{field} names a Kubernetes Secret: local mode has none; unset it"])
+
+
+def _env(pool: PoolPlan, api_key: str | None) -> dict[str, str]:
     env = dict(CPU_ENGINE_ENV)
     if any(flag_name(arg) == "--kv-cache-memory-bytes" for arg in pool.vllm_args):
         del env[KV_SPACE_ENV]  # the spec sized the KV cache itself
@@ -73,13 +80,18 @@ def _env(pool: PoolPlan) -> dict[str, str]:
             if var.value_from.get("fieldRef", {}).get("fieldPath") == "status.podIP":
                 env[var.name] = LOOPBACK
                 continue
+            if var.name == engine_args.VLLM_API_KEY and api_key is not None:  # the key Secret, as a file here
+                env[var.name] = api_key
+                continue
             raise SpecError([f"env {var.name}: valueFrom sources other than the pod IP need a cluster"])
         env[var.name] = var.value or ""
     return env
 
 
-def engine_processes(plan: Plan, ports: Callable[[], int]) -> list[LocalProcess]:
+def engine_processes(plan: Plan, ports: Callable[[], int], api_key: str | None = None) -> list[LocalProcess]:
+    """``api_key``: the engine key (security.engineAPIKey), passed in the environment, never in argv."""
     check_connector(plan)
+    check_security(plan)
     model = model_location(plan)
     procs = []
     for pool in plan.pools:
@@ -87,7 +99,7 @@ def engine_processes(plan: Plan, ports: Callable[[], int]) -> list[LocalProcess]
             port = ports()
             argv = [sys.executable, "-m", MODULES[pool.launcher], "--model", model,
                     *engine_args.listen_flags(port, LOOPBACK), *pool.vllm_args]
-            procs.append(LocalProcess(f"{pool.role}-{replica}", str(pool.role), argv, port, _env(pool)))
+            procs.append(LocalProcess(f"{pool.role}-{replica}", str(pool.role), argv, port, _env(pool, api_key)))
     return procs
 
 
@@ -105,6 +117,8 @@ def sidecar_processes(plan: Plan, engines: list[LocalProcess], ports: Callable[[
         endpoints = static_endpoints(decode_url=decode_url, render_url=render[0] if render else None,
                                      derender_url=derender[0] if derender else None, prefill_urls=urls(Role.PREFILL))
         config = plan.sidecar_config(endpoints, listen_port=port, listen_host=LOOPBACK)
+        if plan.spec.security.engine_api_key.enabled:
+            config = config.model_copy(update={"auth": Auth(engine_api_key_file=str(state_dir / ENGINE_KEY_FILE))})
         argv = [sys.executable, "-m", "disagg_cli.main", "sidecar", "--config", str(state_dir / f"sidecar-{i}.yaml")]
         sidecars.append(LocalProcess(f"sidecar-{i}", "sidecar", argv, port, {}, config))
     return sidecars

@@ -22,11 +22,12 @@ from typing import Any
 
 import yaml
 
-from disagg_cli.local.plan import LOOPBACK, LocalProcess, engine_processes, sidecar_processes
+from disagg_cli.local.plan import ENGINE_KEY_FILE, LOOPBACK, LocalProcess, engine_processes, sidecar_processes
 from disagg_cli.local.supervise import Member, error_lines
 from disagg_engine.servers import (
     ManagedServer, ServerSpec, ServerStartError, free_port, pid_alive, signal_group, start, stop_all, wait_healthy,
 )
+from disagg_operator.objects.secrets import new_key
 from disagg_operator.plan import build_plan
 from disagg_operator.manifest import parse_manifest
 from disagg_operator.spec import SpecError
@@ -97,8 +98,17 @@ def plan_processes(manifest, state_dir: Path, port: int | None) -> list[LocalPro
     # The local engines have the disagg package: they load a connector's own engine class.
     plan = build_plan(spec, manifest.name, "local", kv_shared_path=str(state_dir / KV_DIR), engine_package=True,
                       **({"chat_template_path": str(template)} if template else {}))
-    engines = engine_processes(plan, free_port)
+    engines = engine_processes(plan, free_port, _engine_key(state_dir) if spec.security.engine_api_key.enabled else None)
     return engines + sidecar_processes(plan, engines, free_port, state_dir, first_port=port)
+
+
+def _engine_key(state_dir: Path) -> str:
+    """A new random engine key in ``state_dir`` (mode 0600; the directory is 0700)."""
+    key = new_key()
+    fd = os.open(state_dir / ENGINE_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
 
 
 def _healthy(url: str) -> bool:
@@ -117,6 +127,7 @@ def up(path: Path, *, port: int | None = None, state_root: Path = Path(".disagg"
         raise SpecError([f"{manifest.name} is already up (state in {state_dir}); run `disagg down` first"])
     shutil.rmtree(state_dir, ignore_errors=True)
     (state_dir / KV_DIR).mkdir(parents=True)
+    state_dir.chmod(0o700)  # the engine key, and the state file holding the engines' environment
     procs = plan_processes(manifest, state_dir, port)
     for proc in procs:
         if proc.config is not None:

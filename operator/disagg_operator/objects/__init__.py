@@ -16,6 +16,7 @@ from disagg_operator.objects.disruption import disruption_budgets
 from disagg_operator.objects.inference_pool import inference_pools
 from disagg_operator.objects.network import network_policies
 from disagg_operator.objects.rbac import rbac
+from disagg_operator.objects.secrets import engine_api_key_secrets
 from disagg_operator.objects.services import services
 from disagg_operator.plan import Plan
 
@@ -23,6 +24,7 @@ from disagg_operator.plan import Plan
 def build_objects(plan: Plan, owner: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     objects = [
         *network_policies(plan, owner),
+        *engine_api_key_secrets(plan, owner),
         *rbac(plan, owner),
         config_map(plan, owner),
         *services(plan, owner),

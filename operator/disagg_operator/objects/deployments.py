@@ -8,6 +8,7 @@ from disagg_operator import engine_args, names
 from disagg_operator.names import Role
 from disagg_operator.plan import Plan
 from disagg_operator.pool_plan import MODEL_MOUNT_ROOT, PoolPlan
+from disagg_operator.sidecar_config import CLIENT_KEY_DIR, ENGINE_KEY_DIR
 from disagg_sidecar.discovery_config import SERVICE_ACCOUNT_DIR
 
 SIDECAR_CONFIG_DIR = "/etc/disagg"
@@ -30,9 +31,9 @@ _POD_SECURITY = {"runAsNonRoot": True, "fsGroup": NON_ROOT_UID, "fsGroupChangePo
                  "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _probe(path: str, port: str, period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
-            "failureThreshold": failures, "timeoutSeconds": timeout}
+def _probe(path: str, port: str, period: int, failures: int, timeout: int = 3, https: bool = False) -> dict[str, Any]:
+    get = {"path": path, "port": port, **({"scheme": "HTTPS"} if https else {})}  # the kubelet verifies no cert
+    return {"httpGet": get, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
 def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
@@ -53,6 +54,9 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
         mounts.append({"name": "kv-shared", "mountPath": pool.kv_shared_path})
     if pool.gpu:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})  # NCCL/TP workers need more than 64Mi
+    https = plan.spec.security.tls is not None
+    if https:
+        mounts.append({"name": "engine-tls", "mountPath": engine_args.TLS_DIR, "readOnly": True})
     container: dict[str, Any] = {
         "name": names.VLLM_CONTAINER,
         "image": pool.image,
@@ -61,9 +65,9 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
         "ports": ports,
         "env": env,
         "volumeMounts": mounts,
-        "startupProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, max(1, pool.startup_seconds // 10)),
-        "readinessProbe": _probe(pool.health_path, names.ENGINE_PORT, 5, 3),
-        "livenessProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, 6, timeout=5),
+        "startupProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, max(1, pool.startup_seconds // 10), https=https),
+        "readinessProbe": _probe(pool.health_path, names.ENGINE_PORT, 5, 3, https=https),
+        "livenessProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, 6, timeout=5, https=https),
     }
     if pool.image_pull_policy:
         container["imagePullPolicy"] = pool.image_pull_policy
@@ -78,6 +82,7 @@ def _sidecar_container(plan: Plan) -> dict[str, Any]:
     mounts = [{"name": "sidecar-config", "mountPath": SIDECAR_CONFIG_DIR, "readOnly": True}]
     if plan.disaggregated:  # prefill discovery reads EndpointSlices; only this container gets a token
         mounts.append({"name": "api-token", "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True})
+    mounts += [{"name": name, "mountPath": path, "readOnly": True} for name, path in _key_mounts(plan)]
     container: dict[str, Any] = {
         "name": names.SIDECAR_CONTAINER,
         "image": sidecar.image,
@@ -91,6 +96,32 @@ def _sidecar_container(plan: Plan) -> dict[str, Any]:
     if plan.spec.engine.image_pull_policy:
         container["imagePullPolicy"] = plan.spec.engine.image_pull_policy
     return container
+
+
+def _key_mounts(plan: Plan) -> list[tuple[str, str]]:
+    security = plan.spec.security
+    return [*([("engine-api-key", ENGINE_KEY_DIR)] if security.engine_api_key.enabled else []),
+            *([("client-api-key", CLIENT_KEY_DIR)] if security.client_api_key else []),
+            *([("engine-tls-ca", engine_args.TLS_CA_DIR)] if security.tls else [])]
+
+
+def _key_volumes(plan: Plan) -> list[dict[str, Any]]:
+    """The sidecar's API key Secrets, each key as the file ``api-key`` (sidecar_config.auth), owner-read only."""
+    security, volumes = plan.spec.security, []
+    if security.engine_api_key.enabled:
+        volumes.append(_secret_volume("engine-api-key", names.engine_api_key_secret(plan.name),
+                                      {names.API_KEY_KEY: names.API_KEY_KEY}))
+    if (client := security.client_api_key) is not None:
+        volumes.append(_secret_volume("client-api-key", client.name, {client.key: names.API_KEY_KEY}))
+    if security.tls is not None:  # the CA only: the sidecar never sees the engines' private key
+        volumes.append(_secret_volume("engine-tls-ca", security.tls.secret_name, {"ca.crt": "ca.crt"}))
+    return volumes
+
+
+def _secret_volume(volume: str, secret: str, files: dict[str, str]) -> dict[str, Any]:
+    """``files``: Secret key -> file name. 0440 with fsGroup: the pod's non-root containers read it, nobody else."""
+    return {"name": volume, "secret": {"secretName": secret, "defaultMode": 0o440,
+                                       "items": [{"key": k, "path": p} for k, p in files.items()]}}
 
 
 def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
@@ -110,6 +141,8 @@ def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
         volumes.append({"name": "kv-shared", "emptyDir": {}})
     if pool.gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if (tls := plan.spec.security.tls) is not None:
+        volumes.append(_secret_volume("engine-tls", tls.secret_name, {"tls.crt": "tls.crt", "tls.key": "tls.key"}))
     if pool.role == Role.DECODE:
         volumes.append({"name": "sidecar-config", "configMap": {
             "name": names.config_map(plan.name), "items": [{"key": SIDECAR_CONFIG_FILE, "path": SIDECAR_CONFIG_FILE}]}})
@@ -119,6 +152,7 @@ def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
                 {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
                 {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
             ]}})
+        volumes += _key_volumes(plan)
     return volumes
 
 

@@ -1,0 +1,66 @@
+"""API keys: the one the sidecar sends to its engines and the one it requires from clients.
+
+Each key is a file (a mounted Secret, or local mode's state directory) read once at start.
+Clients are checked like vLLM's own ``--api-key`` middleware does (a Bearer token, SHA-256
+digests compared in constant time), but a refusal is OpenAI's 401 body rather than vLLM's
+``{"error": "Unauthorized"}``, so OpenAI SDKs raise ``AuthenticationError`` (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from disagg_sidecar import wire
+from disagg_sidecar.config import SidecarConfig
+from disagg_sidecar.errors import SidecarError
+
+OPEN_PATHS = frozenset({wire.HEALTH, wire.LIVE, wire.METRICS})  # probes and scrapers carry no key
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def read_key(path: str) -> str:
+    """The key in ``path`` (surrounding whitespace dropped); an empty file is an error."""
+    key = Path(path).read_text().strip()
+    if not key:
+        raise ValueError(f"{path}: the API key file is empty")
+    return key
+
+
+def upstream_headers(config: SidecarConfig) -> dict[str, str]:
+    """Headers for every request to the engines: the engine key, when one is configured."""
+    path = config.auth.engine_api_key_file
+    return {"Authorization": f"Bearer {read_key(path)}"} if path else {}
+
+
+def _digest(value: str) -> bytes:
+    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
+
+
+def _refusal(message: str) -> SidecarError:
+    return SidecarError(401, message, type_="invalid_request_error", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
+def client_key_middleware(config: SidecarConfig) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]] | None:
+    """A middleware requiring the client key on every path but ``OPEN_PATHS``; None without one."""
+    path = config.auth.client_api_key_file
+    if not path:
+        return None
+    expected = _digest(read_key(path))
+
+    @web.middleware
+    async def require_client_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token:
+                raise _refusal("Missing API key: send it as 'Authorization: Bearer <key>'.")
+            if not hmac.compare_digest(_digest(token.strip()), expected):
+                raise _refusal("Incorrect API key provided.")
+        return await handler(request)
+
+    return require_client_key
