@@ -105,6 +105,8 @@ def sidecar_processes(plan: Plan, engines: list[LocalProcess], ports: Callable[[
         endpoints = static_endpoints(decode_url=decode_url, render_url=render[0] if render else None,
                                      derender_url=derender[0] if derender else None, prefill_urls=urls(Role.PREFILL))
         config = plan.sidecar_config(endpoints, listen_port=port, listen_host=LOOPBACK)
+        # No Service routes to a local sidecar: nothing to wait for before draining on SIGTERM.
+        config = config.model_copy(update={"limits": config.limits.model_copy(update={"deregister_seconds": 0})})
         argv = [sys.executable, "-m", "disagg_cli.main", "sidecar", "--config", str(state_dir / f"sidecar-{i}.yaml")]
         sidecars.append(LocalProcess(f"sidecar-{i}", "sidecar", argv, port, {}, config))
     return sidecars
