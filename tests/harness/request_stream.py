@@ -1,9 +1,9 @@
 """A bounded background stream of forced chats through a deployment's endpoint, to count failed
 requests while pods are replaced underneath it.
 
-Each worker sends one request at a time (batch and streamed in turn) with the openai SDK and no
-retries: a request counts as failed unless it answers 200 with exactly the forced text and
-``finish_reason: stop``. Every answer records when it was sent and the sidecar's
+Each worker (one by default) sends one request at a time (batch and streamed in turn) with the
+openai SDK and no retries: a request counts as failed unless it answers 200 with exactly the
+forced text and ``finish_reason: stop``. Every answer records when it was sent and the sidecar's
 ``x-disagg-prefill`` outcome (remote, fallback, ...).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Answer:
 class RequestStream:
     url: str  # the deployment's OpenAI base, http://host:port
     forcer: Forcer
-    workers: int = 2
+    workers: int = 1  # one request always in flight; more would only slow the engines starting beside it
     max_requests: int = 5000
     max_seconds: float = 1200.0
     answers: list[Answer] = field(default_factory=list)
