@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from disagg_sidecar import auth, capabilities, handlers, tls, wire
 from disagg_sidecar.config import SidecarConfig
@@ -74,6 +74,14 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
             access_log.info("%s %s %s", request.method, request.path, status, extra={"fields": {
                 "status": status, "path": request.path, "ms": round((time.monotonic() - started) * 1000, 1)}})
         request_id_var.set(None)
+
+
+async def close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+    """From SIGTERM on, no connection stays open for another request: a client's next one opens
+    a new connection, which the Service sends to a pod that stays."""
+    if request.app[STATE].draining:
+        response.force_close()
+        response.headers[hdrs.CONNECTION] = "close"  # headers are computed, not yet written
 
 
 # The serving check: a two-token prompt (vLLM's ExampleConnector mis-handles one-token prompts, see
@@ -205,6 +213,7 @@ def build_app(config: SidecarConfig) -> web.Application:
     app[METRICS] = Metrics()
     app[METRICS].in_flight.set_function(lambda: state.in_flight)  # read at scrape time
     app.cleanup_ctx.append(_upstreams)
+    app.on_response_prepare.append(close_when_draining)
     app.router.add_post(wire.CHAT, handlers.chat)
     app.router.add_post(wire.COMPLETIONS, handlers.completions)
     app.router.add_post(wire.GENERATE, handlers.generate)

@@ -13,18 +13,19 @@ from pydantic import ValidationError
 
 from disagg_sidecar import auth, tls
 from disagg_sidecar.app import build_app
-from disagg_sidecar.config import SidecarConfig, load_config
+from disagg_sidecar.config import CUT_SECONDS, SidecarConfig, load_config
 from disagg_sidecar.keys import STATE
 from disagg_sidecar.logs import setup_logging
 from disagg_sidecar.server import SidecarRunner
 
 log = logging.getLogger("disagg_sidecar")
-CUT_SECONDS = 1.0  # after the drain: what handlers still running get before they are cancelled
 
 
 async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
-    """Serve until ``stop`` is set, then drain: readiness off, in-flight requests get up to
-    ``limits.drain_seconds`` to finish, then the rest are cancelled (their legs aborted)."""
+    """Serve until ``stop`` is set, then: readiness off, new requests still served for
+    ``limits.deregister_seconds`` (the pod is leaving its Services meanwhile), then in-flight
+    requests get up to ``limits.drain_seconds`` to finish, then the rest are cancelled (their legs
+    aborted). From ``stop`` on, every response closes its connection (clients reconnect elsewhere)."""
     app = build_app(config)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its legs.
     # The drain below is the grace period; shutdown only lets responses that just ended flush
@@ -38,6 +39,9 @@ async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
         await stop.wait()
         state = app[STATE]
         state.draining = True
+        if (window := config.limits.deregister_seconds) > 0:
+            log.info("readiness off; serving new connections for %.0fs while endpoints are removed", window)
+            await asyncio.sleep(window)  # a fixed window, as kubelet's preStop sleep: nothing to wait for
         log.info("draining %d in-flight requests (up to %.0fs)", state.in_flight, config.limits.drain_seconds)
         if not await state.wait_idle(config.limits.drain_seconds):
             log.warning("drain deadline reached with %d requests in flight", state.in_flight)

@@ -29,7 +29,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
     timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600}
     retries: 1
     max_body_bytes: 16777216
-    limits: {max_concurrent_requests: 512, drain_seconds: 30, coalesce: true, max_n: 128, max_prompts: 64,
+    limits: {max_concurrent_requests: 512, deregister_seconds: 5, drain_seconds: 30, coalesce: true, max_n: 128, max_prompts: 64,
              max_legs: 256, max_json_depth: 64, header_read_seconds: 10, body_read_seconds: 30}
     engine:                              # the operator fills this from the spec
       vllm_version: 0.33.0
@@ -61,6 +61,7 @@ from disagg_sidecar.discovery_config import check_url as _check_url
 
 # What a stock vLLM generate server (no engine extension) answers on /inference/v1/generate.
 STOCK_OUTPUT_MODES: tuple[wire.OutputMode, ...] = ("tokens", "text")
+CUT_SECONDS = 1.0  # after the drain: what handlers still running get before they are cancelled
 
 
 class Listen(_Model):
@@ -155,7 +156,11 @@ class Timeouts(_Model):
 
 class Limits(_Model):
     max_concurrent_requests: int = Field(512, ge=1, description="More in flight: 503 with Retry-After.")
-    drain_seconds: float = Field(30, ge=0, description="SIGTERM: how long in-flight requests may finish.")
+    # A terminating pod leaves its Services' endpoints (and kube-proxy's rules) asynchronously:
+    # connections keep arriving for a moment after SIGTERM, and a closed listener would refuse them.
+    deregister_seconds: float = Field(5, ge=0, description="SIGTERM: keep accepting, readiness off, this long; "
+                                                           "then drain. 0 without a Service (local mode).")
+    drain_seconds: float = Field(30, ge=0, description="After deregister_seconds: how long in-flight requests may finish.")
     coalesce: bool = Field(True, description="Merge generate chunks that arrive while a derender call is in flight.")
     keepalive_seconds: float = Field(4.0, gt=0, lt=5, description="Idle upstream connections; below vLLM's 5 s.")
     health_interval_seconds: float = Field(2.0, gt=0)
@@ -169,6 +174,11 @@ class Limits(_Model):
     memory_budget_bytes: int = Field(256 << 20, ge=16 << 20, description="Bodies in the sidecar, 4 bytes per "
                                                                          "body byte; beyond: 503 + Retry-After.")
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
+
+    @property
+    def stop_seconds(self) -> float:
+        """SIGTERM to exit, at the latest: what an engine beside the sidecar has to outlive."""
+        return self.deregister_seconds + self.drain_seconds + CUT_SECONDS
 
 
 class Auth(_Model):

@@ -42,8 +42,11 @@ def slice_port(slice_: Slice, port_name: str | None, port: int | None = None) ->
 
 
 def is_ready(endpoint: Mapping[str, Any]) -> bool:
-    # EndpointConditions: a missing `ready` must be read as true; terminating pods are never ready.
-    return (endpoint.get("conditions") or {}).get("ready") is not False
+    """Ready and not terminating. EndpointConditions: a missing `ready` reads as true; a
+    terminating pod (still `serving` while it finishes its legs) takes no new ones, even when
+    `ready` stays true (a Service with publishNotReadyAddresses)."""
+    conditions = endpoint.get("conditions") or {}
+    return conditions.get("ready") is not False and conditions.get("terminating") is not True
 
 
 def slice_urls(slice_: Slice, *, port_name: str | None, port: int | None = None,

@@ -12,6 +12,7 @@ import yaml
 from disagg_cli.local.plan import ENGINE_KEY_FILE, KV_SPACE_ENV, LOOPBACK
 from disagg_cli.local.runner import load_spec, plan_processes
 from disagg_operator.spec import SpecError
+from disagg_sidecar.config import Limits, SidecarConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-tiny.yaml"
 
@@ -34,6 +35,15 @@ def test_example_runs_vllm_modules_on_loopback(tmp_path):
         assert argv[argv.index("--port") + 1] == str(procs[name].port)
         assert argv[argv.index("--model") + 1] == str(Path("~/.cache/disagg/models/tiny-qwen3").expanduser())
     assert procs["decode-0"].env["VLLM_PLUGINS"] == "disagg"
+
+
+def test_local_sidecars_drain_at_once_on_sigterm(tmp_path):
+    """No Service routes to a local sidecar: no deregister window before the drain (``disagg down``
+    would wait for nothing); everything else is the operator's configuration."""
+    config = _processes(tmp_path)["sidecar-0"].config
+    assert config is not None and config.limits.deregister_seconds == 0
+    assert SidecarConfig.model_validate({"decode": {"url": "http://127.0.0.1:1"}}).limits.deregister_seconds > 0
+    assert config.limits.drain_seconds == Limits().drain_seconds
 
 
 def test_a_spec_sized_kv_cache_is_not_overridden_by_the_cpu_default(tmp_path):

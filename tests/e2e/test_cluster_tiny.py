@@ -7,6 +7,7 @@ One operator release and one deployment serve every test here (engines take minu
 busy 2-core machine); the last test deletes the model."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -22,6 +23,7 @@ from openai import OpenAI
 
 from tests.harness.cluster import REAL_NODE, REAL_NODE_TAINT, Cluster, RealNodeSession, start_real_node
 from tests.harness.coupled import forced_views
+from tests.harness.request_stream import RequestStream
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
@@ -140,6 +142,7 @@ def test_every_pool_runs_real_containers_ready_through_real_probes(cluster: Clus
             assert status["containerID"].startswith("containerd://") and status["ready"], status
         vllm = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")
         assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(vllm)
+        assert vllm["lifecycle"]["preStop"]["sleep"]["seconds"] > 0  # accepted by the API server, run by kubelet
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
@@ -192,6 +195,81 @@ def test_decode_metrics_show_the_prompt_kv_came_from_prefill(
         time.sleep(0.2)
     assert after["prefill"]["done"] == before["prefill"]["done"] + 1
     assert after["decode"]["hits"] > before["decode"]["hits"]
+
+
+def _uids(cluster: Cluster, ns: str, pool: str) -> set[str]:
+    return {p["metadata"]["uid"] for p in pods(cluster, ns, pool)}
+
+
+def _replaced(cluster: Cluster, ns: str, pool: str, old: set[str]) -> bool:
+    """The pool's pods are all new and Ready, and every old one is gone (not just terminating)."""
+    now = pods(cluster, ns, pool)
+    return bool(now) and all(p["metadata"]["uid"] not in old and ready(p) and "deletionTimestamp" not in p["metadata"]
+                             for p in now)
+
+
+def _model_ready(cluster: Cluster, ns: str) -> bool:
+    dm = get(cluster, "dm", MODEL, "-n", ns)
+    return any(c["type"] == "Ready" and c["status"] == "True" and c.get("observedGeneration") == dm["metadata"][
+        "generation"] for c in dm.get("status", {}).get("conditions", []))
+
+
+def _served(stream: RequestStream, count: int, what: str, since: float = 0.0, prefill: str | None = None) -> None:
+    deadline = time.monotonic() + 180
+    while stream.served(since, prefill) < count:
+        assert time.monotonic() < deadline, f"{what}: {stream.summary()}"
+        time.sleep(0.2)
+
+
+def test_deleting_a_prefill_pod_under_a_request_stream_fails_no_request(
+    cluster: Cluster, tiny: Deployed, forcer
+) -> None:
+    """The Deployment replaces the pod; the sidecar's EndpointSlice watch drops the terminating pod
+    at once (its preStop sleep lets legs already on it finish) and finds the new pod's address.
+    With one prefill replica, requests in between are prefilled by decode (prefillFailurePolicy:
+    fallback, the default): served, and counted apart."""
+    [old] = pods(cluster, tiny.ns, "prefill")
+    with RequestStream(tiny.url, forcer) as stream:
+        _served(stream, 4, "prefill in use before the deletion", prefill="remote")
+        t0 = time.monotonic()
+        cluster.kubectl("delete", "pod", old["metadata"]["name"], "-n", tiny.ns, "--wait=false")
+        cluster.wait_for(lambda: _replaced(cluster, tiny.ns, "prefill", {old["metadata"]["uid"]}),
+                         "a new prefill pod Ready, the old one gone", timeout=READY_TIMEOUT, interval=1)
+        replaced = time.monotonic()
+        _served(stream, 4, "the new prefill pod in use", since=replaced, prefill="remote")
+    print(f"prefill pod replaced in {replaced - t0:.0f}s: {stream.summary()}")
+    assert not stream.failed(), stream.summary()
+    assert stream.served(t0, "fallback") >= 1, "no request was sent while no prefill pod was Ready"
+    [decode] = pods(cluster, tiny.ns, "decode")
+    assert all(c["restartCount"] == 0 for c in decode["status"]["containerStatuses"])
+
+
+def test_a_parser_flag_change_rolls_render_and_decode_but_not_prefill_without_a_failed_request(
+    cluster: Cluster, tiny: Deployed, forcer
+) -> None:
+    """Rolling updates surge one pod at a time; the old decode pod's sidecar keeps serving for its
+    deregister window with readiness off, drains, and vLLM beside it outlives that (preStop sleep);
+    the old render pod's vLLM serves until its Service dropped it."""
+    before = {pool: _uids(cluster, tiny.ns, pool) for pool in POOLS}
+    parser = "qwen3_xml"  # from hermes: render (which derenders too) and decode parse tool calls; prefill never
+    with RequestStream(tiny.url, forcer) as stream:
+        _served(stream, 4, "the stream before the change")
+        t0 = time.monotonic()
+        cluster.kubectl("patch", "dm", MODEL, "-n", tiny.ns, "--type=merge",
+                        "-p", json.dumps({"spec": {"model": {"toolCallParser": parser}}}))
+        for pool in ("render", "decode"):
+            cluster.wait_for(lambda: _replaced(cluster, tiny.ns, pool, before[pool]),
+                             f"every {pool} pod replaced", timeout=READY_TIMEOUT, interval=1)
+        cluster.wait_for(lambda: _model_ready(cluster, tiny.ns), f"{MODEL} Ready again", timeout=120, interval=1)
+        rolled = time.monotonic()
+        _served(stream, 4, "the stream after the rollout", since=rolled)
+    print(f"rollout (render + decode) in {rolled - t0:.0f}s: {stream.summary()}")
+    assert not stream.failed(), stream.summary()
+    assert _uids(cluster, tiny.ns, "prefill") == before["prefill"], "prefill was not rolled"
+    for pool in ("render", "decode"):
+        [pod] = pods(cluster, tiny.ns, pool)
+        args = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")["args"]
+        assert args[args.index("--tool-call-parser") + 1] == parser
 
 
 def test_deleting_the_model_removes_every_pod(cluster: Cluster, tiny: Deployed) -> None:

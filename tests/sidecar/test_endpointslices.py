@@ -54,7 +54,10 @@ def test_slice_port(ports: list[dict[str, Any]], port_name: str | None, port: in
     (ep("10.0.0.1", True), True),
     (ep("10.0.0.1", False), False),
     (ep("10.0.0.1", None), True),  # missing conditions: ready (k8s semantics)
-    ({"addresses": ["10.0.0.1"], "conditions": {"serving": True, "terminating": True}}, True),
+    # Terminating: no new legs, whatever `ready` says (missing, or true under publishNotReadyAddresses).
+    ({"addresses": ["10.0.0.1"], "conditions": {"serving": True, "terminating": True}}, False),
+    ({"addresses": ["10.0.0.1"], "conditions": {"ready": True, "serving": True, "terminating": True}}, False),
+    ({"addresses": ["10.0.0.1"], "conditions": {"ready": True, "serving": True, "terminating": False}}, True),
     ({"addresses": ["10.0.0.1"], "conditions": {"ready": False, "serving": True, "terminating": True}}, False),
 ])
 def test_readiness(endpoint: dict[str, Any], ready: bool) -> None:

@@ -320,7 +320,8 @@ def sidecar_command(engine_set, tmp_path: Path, drain_seconds: float) -> Iterato
     """``disagg sidecar --config FILE`` as its own process, ready."""
     port = free_port()
     config = sidecar_config(engine_set, listen={"host": "127.0.0.1", "port": port},
-                            limits={"drain_seconds": drain_seconds, "health_interval_seconds": 0.5})
+                            limits={"drain_seconds": drain_seconds, "health_interval_seconds": 0.5,
+                                    "deregister_seconds": 0})  # the drain alone (test_shutdown.py: the window)
     path = tmp_path / "sidecar.yaml"
     path.write_text(yaml.safe_dump(config))
     log_path = tmp_path / "sidecar.log"

@@ -119,6 +119,8 @@ def sidecar_processes(plan: Plan, engines: list[LocalProcess], ports: Callable[[
         config = plan.sidecar_config(endpoints, listen_port=port, listen_host=LOOPBACK)
         if plan.spec.security.engine_api_key.enabled:
             config = config.model_copy(update={"auth": Auth(engine_api_key_file=str(state_dir / ENGINE_KEY_FILE))})
+        # No Service routes to a local sidecar: nothing to wait for before draining on SIGTERM.
+        config = config.model_copy(update={"limits": config.limits.model_copy(update={"deregister_seconds": 0})})
         argv = [sys.executable, "-m", "disagg_cli.main", "sidecar", "--config", str(state_dir / f"sidecar-{i}.yaml")]
         sidecars.append(LocalProcess(f"sidecar-{i}", "sidecar", argv, port, {}, config))
     return sidecars

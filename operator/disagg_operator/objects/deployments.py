@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from disagg_operator import engine_args, names
@@ -18,7 +19,7 @@ CACHE_DIR = "/var/cache/disagg"  # writable scratch (emptyDir): HOME of the engi
 TMP_DIR = "/tmp"  # Triton, CUDA and FlashInfer caches under ~ land on it; /tmp: torch compile, vLLM IPC
 NON_ROOT_UID = 1000
 DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
-DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced
+DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced (> the preStop)
 
 # Every container (engines of all pools, the sidecar): non-root, no privilege escalation, no
 # capabilities, a read-only root; what vLLM writes goes to emptyDirs (cache, tmp, dshm).
@@ -34,6 +35,15 @@ _POD_SECURITY = {"runAsNonRoot": True, "fsGroup": NON_ROOT_UID, "fsGroupChangePo
 def _probe(path: str, port: str, period: int, failures: int, timeout: int = 3, https: bool = False) -> dict[str, Any]:
     get = {"path": path, "port": port, **({"scheme": "HTTPS"} if https else {})}  # the kubelet verifies no cert
     return {"httpGet": get, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def pre_stop_seconds(plan: Plan, pool: PoolPlan) -> int:
+    """How long vLLM keeps serving after its pod starts terminating (kubelet signals every
+    container at once): a decode engine until its sidecar has drained; the others until their
+    Services and the sidecars' EndpointSlice watches have dropped the pod (the sidecar's
+    ``limits.deregister_seconds``: the same delay, seen from the other side)."""
+    limits = plan.sidecar.config.limits
+    return math.ceil(limits.stop_seconds if pool.role == Role.DECODE else limits.deregister_seconds)
 
 
 def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
@@ -69,6 +79,8 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
         "readinessProbe": _probe(pool.health_path, names.ENGINE_PORT, 5, 3, https=https),
         "livenessProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, 6, timeout=5, https=https),
     }
+    if wait := pre_stop_seconds(plan, pool):  # a sleep action: no shell in the image needed
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": wait}}}
     if pool.image_pull_policy:
         container["imagePullPolicy"] = pool.image_pull_policy
     if pool.resources:
