@@ -48,20 +48,29 @@ class EndpointPool:
     def pick(self, exclude: Collection[str] = (), prompt: Sequence[int] = ()) -> str | None:
         """An endpoint not in ``exclude``; recently failed ones only when nothing else is left.
         ``prompt`` (token ids) is what prefix affinity keys on."""
-        candidates = [u for u in self.endpoints() if u not in exclude]
+        everyone = self.endpoints()
+        candidates = [u for u in everyone if u not in exclude]
         if not candidates:
             return None
-        now = self._clock()
-        fresh = [u for u in candidates if now - self._failed_at.get(u, -1e9) > FAILURE_COOLDOWN_SECONDS]
-        candidates = fresh or candidates
+        candidates = [u for u in self.available() if u not in exclude] or candidates
         turn = next(self._turn)
         if self.selection == "random":
             return random.choice(candidates)
         if self.selection == "round-robin":
             return candidates[turn % len(candidates)]
         if self.selection == "prefix-affinity":
-            return self._prefix_affinity(self.share.allowed(candidates), prompt, turn)
+            # A leg with some endpoint out (failed lately, or tried by this retry) had no free choice:
+            # counted, it would send the returning endpoint every leg until the shares even out.
+            home = self._prefix_affinity(self.share.allowed(candidates), prompt, turn)
+            if len(candidates) == len(everyone):
+                self.share.record(home)
+            return home
         return self._least_requests(candidates, turn)
+
+    def available(self) -> list[str]:
+        """The endpoints that did not fail in the last ``FAILURE_COOLDOWN_SECONDS``."""
+        now = self._clock()
+        return [u for u in self.endpoints() if now - self._failed_at.get(u, -1e9) > FAILURE_COOLDOWN_SECONDS]
 
     def _least_requests(self, candidates: Sequence[str], turn: int) -> str:
         least = min(self.outstanding(u) for u in candidates)
@@ -75,9 +84,7 @@ class EndpointPool:
             chain = block_chain(prompt, self.block_tokens)
             if home := self.prefixes.choose(candidates, chain, self.outstanding, self.share.count):
                 self.prefixes.record(home, chain)
-        home = home or self._least_requests(candidates, turn)
-        self.share.record(home)
-        return home
+        return home or self._least_requests(candidates, turn)
 
     @contextmanager
     def lease(self, url: str) -> Iterator[str]:

@@ -118,3 +118,18 @@ def test_a_shared_system_prompt_alone_does_not_pull_conversations_to_one_endpoin
     assert set(first) == set(urls) and max(first.values()) - min(first.values()) <= 2, first
     alone = Counter(pool.pick(prompt=system) for _ in range(2 * endpoints))
     assert len(alone) == endpoints, f"the bare system prompt is held everywhere, so it spreads too: {alone}"
+
+
+def test_legs_sent_while_an_endpoint_is_out_do_not_count_against_it_when_it_returns() -> None:
+    rng = random.Random(5)
+    now = [0.0]
+    pool = EndpointPool("prefill", lambda: URLS[:2], "prefix-affinity", clock=lambda: now[0], block_tokens=16)
+    system = tokens(rng, 200)
+    pool.mark_failed(URLS[0])
+    during = [pool.pick(prompt=system + tokens(rng, 60)) for _ in range(20)]
+    assert set(during) == {URLS[1]} and pool.share.count(URLS[1]) == 0, "no choice: not counted"
+    now[0] = 10.0  # the cooldown is over
+    after = Counter(pool.pick(prompt=system + tokens(rng, 60)) for _ in range(20))
+    assert after[URLS[1]] >= 8, f"the returning endpoint does not take every new conversation: {after}"
+    retried = pool.pick(exclude=[URLS[0]], prompt=system + tokens(rng, 60))
+    assert retried == URLS[1] and pool.share.count(URLS[1]) == after[URLS[1]], "a retry's leg is not counted"
