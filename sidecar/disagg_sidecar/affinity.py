@@ -15,7 +15,7 @@ sidecar). Load bounds all of it, twice:
 - the request share (``RecentShare``): of the last ``window`` legs (all of them while fewer were
   sent), no endpoint takes more than ``ceil(bound_percent/100 * legs / endpoints)``, whatever the
   arrival order; an endpoint at that cap is not a candidate at all, so a conversation moves only
-  when its home is at the cap;
+  when its home is at the cap (the pool counts only legs sent while every endpoint was up);
 - the legs in flight: an endpoint more than ``max_imbalance`` legs above the least loaded candidate
   is not chosen for affinity (a slow or hot engine); the pool then falls back to least-requests.
 """
@@ -151,4 +151,7 @@ class RecentShare:
         self._recent.append(url)
         self._counts[url] += 1
         if len(self._recent) >= self.window:
-            self._counts[self._recent.popleft()] -= 1
+            old = self._recent.popleft()
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]  # pods come and go: keep no key for each one ever seen
