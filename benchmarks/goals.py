@@ -44,6 +44,8 @@ GOALS = (
     Goal("prefix-affinity: prefill prefix-cache hit rate minus least-requests'", "prefix_hit_rate_gain", ">=", 0.05, ""),
     Goal("prefix-affinity: prefill requests, busiest engine vs idlest (per round)", "prefix_imbalance_prefix_affinity",
          "<=", 2.0, "×"),
+    Goal("prefix-affinity: busiest prefill engine's requests above the stated share bound (per round)",
+         "prefix_over_share_cap", "<=", 0, ""),
 )
 
 

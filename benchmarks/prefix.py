@@ -2,7 +2,7 @@
 engines, with ``prefix-affinity`` and with ``least-requests`` prefill selection. Reported per side:
 the prefill engines' prefix-cache hit rate (vLLM's own ``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries`` counters, in tokens) and how the requests split between the two
-engines. The sides alternate in rounds; every round and side gets conversations of its own (a
+engines, against the sidecar's stated share bound (``share_cap``). The sides alternate in rounds; every round and side gets conversations of its own (a
 seed each, which also heads the system prompt all its conversations share), so no side finds a
 prefix the other left in an engine's cache."""
 
@@ -18,6 +18,7 @@ import requests
 from benchmarks.client import TIMEOUT
 from benchmarks.outputs import SERVED, WORDS
 from benchmarks.stack import sidecar, sidecar_config
+from disagg_sidecar.affinity import DEFAULT_LOAD_BOUND_PERCENT, DEFAULT_SHARE_WINDOW
 from disagg_engine.servers import start_all, stop_all
 from disagg_engine.testing.server_set import role_specs
 from tests.harness.forced import NO_THINKING
@@ -31,6 +32,15 @@ SYSTEM = "You are a careful assistant. " + " ".join(WORDS[i % len(WORDS)] for i 
 
 def system_prompt(seed: int) -> str:
     return f"Session {seed}. {SYSTEM}"
+
+
+def share_cap(legs: int, endpoints: int, window: int = DEFAULT_SHARE_WINDOW,
+              percent: int = DEFAULT_LOAD_BOUND_PERCENT) -> int:
+    """The most of ``legs`` one endpoint may take from a fresh sidecar under the share bound
+    (docs/llm-d.md): the last ``window`` legs, the ``window`` before them, ..., and the first rest
+    are each within ceil(percent/100 * their legs / endpoints)."""
+    full, rest = divmod(legs, window)
+    return full * -(-percent * window // (100 * endpoints)) + -(-percent * rest // (100 * endpoints))
 
 
 def counters(url: str) -> dict[str, float]:
@@ -83,7 +93,8 @@ def side_run(sset, prefills: list[str], selection: str, seed: int, count: int, t
     per_engine = [d["requests"] for d in delta]
     return {"selection": selection, "seed": seed, "errors": errors, "hit_rate": hits / queries if queries else float("nan"),
             "hits": hits, "queries": queries, "requests_per_engine": per_engine,
-            "imbalance": max(per_engine) / max(min(per_engine), 1.0)}
+            "imbalance": max(per_engine) / max(min(per_engine), 1.0),
+            "over_share_cap": max(per_engine) - share_cap(round(sum(per_engine)), len(per_engine))}
 
 
 def run(ctx) -> dict[str, Any]:
@@ -109,6 +120,7 @@ def run(ctx) -> dict[str, Any]:
         name = selection.replace("-", "_")
         keys[f"prefix_hit_rate_{name}"] = total(selection, "hits") / max(total(selection, "queries"), 1.0)
         keys[f"prefix_imbalance_{name}"] = max(r["imbalance"] for r in runs if r["selection"] == selection)
+    keys["prefix_over_share_cap"] = max(r["over_share_cap"] for r in runs if r["selection"] == "prefix-affinity")
     keys["prefix_hit_rate_gain"] = keys["prefix_hit_rate_prefix_affinity"] - keys["prefix_hit_rate_least_requests"]
     return {"keys": keys, "conversations": count, "turns": turns, "rounds": rounds, "answer_tokens": ANSWER_TOKENS,
             "runs": runs}

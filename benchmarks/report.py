@@ -164,10 +164,13 @@ def _prefix(r: dict[str, Any]) -> list[str]:
              f"system prompt), all conversations' next turn at once, through one sidecar in front of two prefill "
              f"engines; {r['rounds']} rounds, the sides alternating, fresh conversations per side and round. Prefix-cache "
              f"hit rate (prefill engines, tokens): **prefix-affinity {fmt(k['prefix_hit_rate_prefix_affinity'])}** vs "
-             f"least-requests {fmt(k['prefix_hit_rate_least_requests'])}; {k['prefix_errors']} errors.", "",
-             "| round | selection | hit rate | requests per prefill engine |", "|---|---|---|---|"]
+             f"least-requests {fmt(k['prefix_hit_rate_least_requests'])}; {k['prefix_errors']} errors. The share bound "
+             f"(docs/llm-d.md) caps the busiest engine of a round as shown.", "",
+             "| round | selection | hit rate | requests per prefill engine | share bound: busiest ≤ |", "|---|---|---|---|---|"]
     for i, x in enumerate(r["runs"]):
-        lines.append(f"| {i // 2} | {x['selection']} | {fmt(x['hit_rate'])} | {x['requests_per_engine']} |")
+        cap = max(x["requests_per_engine"]) - x["over_share_cap"] if "over_share_cap" in x else None
+        lines.append(f"| {i // 2} | {x['selection']} | {fmt(x['hit_rate'])} | {x['requests_per_engine']} | "
+                     f"{fmt(cap, 0) if cap is not None and x['selection'] == 'prefix-affinity' else '-'} |")
     return lines
 
 

@@ -257,6 +257,11 @@ RULES: tuple[Rule, ...] = (
         lambda t: min(t.connect_seconds, t.render_seconds, t.prefill_seconds, t.decode_seconds) > 0,
     ),
     Rule(
+        "router.prefill-load-bound", "RouterSpec", "self.prefillLoadBoundPercent >= 100",
+        "router.prefillLoadBoundPercent must be at least 100 (an even share)",
+        lambda r: r.prefill_load_bound_percent >= 100, ".prefillLoadBoundPercent",
+    ),
+    Rule(
         "router.min-prefill-tokens", "RouterSpec", "self.minPrefillTokens >= 0",
         "router.minPrefillTokens must not be negative", lambda r: r.min_prefill_tokens >= 0, ".minPrefillTokens",
     ),

@@ -93,6 +93,8 @@ def build(
             mode="remote", discovery=endpoints.prefill_discovery, selection=router.prefill_selection,
             affinity_block_tokens=block_tokens, trust_prefiller_header=router.trust_prefiller_header or pool,
             failure_policy=router.prefill_failure_policy, **({"pool_port": router.port} if pool else {}),
+            **({"affinity_load_bound_percent": router.prefill_load_bound_percent}
+               if router.prefill_selection == "prefix-affinity" else {}),
             # Shorter prompts: the KV connector cannot carry them, or the user finds decode cheaper.
             **({"min_prompt_tokens": shortest} if (shortest := max(min_prompt_tokens, router.min_prefill_tokens)) else {}),
         )

@@ -221,6 +221,10 @@ class RouterSpec(WireModel):
     prefill_selection: Literal["prefix-affinity", "least-requests", "round-robin", "random"] = Field(
         "prefix-affinity", description="prefix-affinity: the prefill pod that last took the prompt's leading KV "
         "blocks, bounded by load (least-requests for legs without prompt tokens).")
+    prefill_load_bound_percent: int = Field(
+        125, description="prefix-affinity: of each sidecar's recent prefill legs (its last 64), no prefill pod "
+        "takes more than this percentage of an even share (125 with 2 pods: at most 62.5% each); a conversation "
+        "whose pod is at that cap moves to another.")
     min_prefill_tokens: int = Field(0, description="Shorter prompts skip the prefill leg (decode prefills); "
                                     "the KV connector's own minimum applies when larger.")
     inference_pool: InferencePoolSpec = Field(default_factory=InferencePoolSpec)

@@ -9,27 +9,30 @@ A block that several prompts continue differently is a shared prefix (a system p
 common preamble): holding it says nothing about where a conversation lives, since every engine
 soon holds it. So a prompt goes to the endpoint that holds the longest run of its blocks beyond
 the last such branching point (the previous turn of its conversation); a prompt no endpoint holds
-beyond that (a new conversation) is spread by rendezvous hashing of its deepest block, so the
-same prompt maps to the same endpoint in every sidecar and distinct prompts spread evenly. Load
-bounds all of it: an endpoint more than ``max_imbalance`` legs above the least loaded candidate
-is not chosen for affinity, so a hot prefix cannot pile up on one engine; the pool then falls
-back to least-requests.
-
-The index is this sidecar's own view (no shared state): with several decode pods, a conversation's
-next turn finds its prefill home only through the sidecar that saw the last turn, or through an
-endpoint picker that names the prefill pod (``x-prefiller-host-port``).
+beyond that (a new conversation), or that several hold equally, goes to the one of them that took
+the fewest recent legs (ties broken by rendezvous hashing of its deepest block, the same in every
+sidecar). Load bounds all of it, twice:
+- the request share (``RecentShare``): of the last ``window`` legs (all of them while fewer were
+  sent), no endpoint takes more than ``ceil(bound_percent/100 * legs / endpoints)``, whatever the
+  arrival order; an endpoint at that cap is not a candidate at all, so a conversation moves only
+  when its home is at the cap (the pool counts only legs sent while every endpoint was up);
+- the legs in flight: an endpoint more than ``max_imbalance`` legs above the least loaded candidate
+  is not chosen for affinity (a slow or hot engine); the pool then falls back to least-requests.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_CAPACITY_BLOCKS = 32_768  # per endpoint; ~100 bytes each, so a few MiB at most
 DEFAULT_MAX_IMBALANCE = 4
+# Consistent hashing with bounded loads' usual factor (1.25): with 2 endpoints, at most 62.5% each.
+DEFAULT_LOAD_BOUND_PERCENT = 125
+DEFAULT_SHARE_WINDOW = 64
 
 
 def block_chain(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[bytes]:
@@ -81,9 +84,10 @@ class PrefixIndex:
                 return depth
         return 0
 
-    def choose(self, candidates: Sequence[str], chain: Sequence[bytes],
-               outstanding: Callable[[str], int]) -> str | None:
-        """The affinity choice among ``candidates``, or None to let the caller balance by load."""
+    def choose(self, candidates: Sequence[str], chain: Sequence[bytes], outstanding: Callable[[str], int],
+               recent: Callable[[str], int] = lambda url: 0) -> str | None:
+        """The affinity choice among ``candidates``, or None to let the caller balance by load.
+        ``recent``: legs each endpoint took lately (where a new conversation goes)."""
         if not candidates or not chain:
             return None
         least = min(outstanding(u) for u in candidates)
@@ -92,7 +96,9 @@ class PrefixIndex:
         best = max(matched.values())
         if best > self.shared_depth(chain):  # this conversation's own blocks: its home
             allowed = [u for u in allowed if matched[u] == best]
-        return rendezvous(chain[-1], allowed)
+        # A new conversation, or homes that hold it equally: even shares, not a hash's random split.
+        fewest = min(recent(u) for u in allowed)
+        return rendezvous(chain[-1], [u for u in allowed if recent(u) == fewest])
 
     def record(self, url: str, chain: Sequence[bytes]) -> None:
         held = self._held.setdefault(url, OrderedDict())
@@ -111,3 +117,41 @@ class PrefixIndex:
         """Drop endpoints that left the pool (their engines' caches went with them)."""
         for url in set(self._held) - set(keep):
             del self._held[url]
+
+
+class RecentShare:
+    """Which endpoints took the last ``window`` legs, and the cap that bounds each one's share.
+
+    The cap for the next leg is ``ceil(bound_percent * n / (100 * N))`` with ``n`` the legs in the
+    window including it and ``N`` the candidates. Some candidate is always below it (the others'
+    ``n - 1`` legs cannot fill ``N`` caps of at least ``n / N``), and since an endpoint's count in a
+    window only drops until its next leg, every window of the last ``window`` legs (and every
+    start of the sidecar's life) stays within the cap for an unchanged set of endpoints."""
+
+    def __init__(self, window: int = DEFAULT_SHARE_WINDOW, bound_percent: int = DEFAULT_LOAD_BOUND_PERCENT):
+        if window < 2 or bound_percent < 100:
+            raise ValueError("the share window needs 2 legs or more and the bound 100% or more")
+        self.window, self.bound_percent = window, bound_percent
+        self._recent: deque[str] = deque()  # the last window - 1 legs: with the next one, a window
+        self._counts: Counter[str] = Counter()
+
+    def count(self, url: str) -> int:
+        return self._counts[url]
+
+    def cap(self, endpoints: int) -> int:
+        """The most legs one of ``endpoints`` may hold in the window that the next leg completes."""
+        legs = len(self._recent) + 1
+        return -(-self.bound_percent * legs // (100 * endpoints))
+
+    def allowed(self, candidates: Sequence[str]) -> list[str]:
+        cap = self.cap(len(candidates))
+        return [u for u in candidates if self._counts[u] < cap]
+
+    def record(self, url: str) -> None:
+        self._recent.append(url)
+        self._counts[url] += 1
+        if len(self._recent) >= self.window:
+            old = self._recent.popleft()
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]  # pods come and go: keep no key for each one ever seen

@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import hdrs, web
 
 from disagg_sidecar import auth, capabilities, handlers, tls, wire
+from disagg_sidecar.affinity import RecentShare
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import get_connector
 from disagg_sidecar.decoding import Decoder
@@ -186,7 +187,8 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
         render=EndpointPool("render", lambda: config.render_urls, "least-requests"),
         derender=EndpointPool("derender", lambda: config.derender_urls, "least-requests"),
         prefill=EndpointPool("prefill", source.endpoints, config.prefill.selection,
-                             block_tokens=config.prefill.affinity_block_tokens),
+                             block_tokens=config.prefill.affinity_block_tokens,
+                             share=RecentShare(config.prefill.affinity_window, config.prefill.affinity_load_bound_percent)),
     )
     app[UPSTREAM] = upstream
     state = app[STATE]

@@ -21,6 +21,8 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
                # (endpointslices: in-cluster token by default; `api: {url, token_file, ca_file}` for local use)
       selection: least-requests          # round-robin | random | least-requests | prefix-affinity
       affinity_block_tokens: 16          # prefix-affinity hashes prompts in the engines' KV block size
+      affinity_load_bound_percent: 125   # prefix-affinity: of the last affinity_window legs, no endpoint
+      affinity_window: 64                #   takes more than 125% of an even share (2 endpoints: 62.5%)
       trust_prefiller_header: true       # honour x-prefiller-host-port, only for current prefill endpoints
       pool_port: 8000                    # an InferencePool's target port: the header names prefill hosts at it
       failure_policy: fallback           # fallback: decode prefills locally; fail: 503
@@ -52,6 +54,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from disagg_sidecar import wire
+from disagg_sidecar.affinity import DEFAULT_LOAD_BOUND_PERCENT, DEFAULT_SHARE_WINDOW
 from disagg_sidecar.connectors import REGISTRY
 from disagg_sidecar.discovery_config import (  # noqa: F401  (re-exported: the file's sections)
     SERVICE_ACCOUNT_DIR, Discovery, DNSDiscovery, EndpointSliceDiscovery, KubernetesAPI, StaticDiscovery,
@@ -130,6 +133,12 @@ class Prefill(_Model):
     selection: Literal["round-robin", "random", "least-requests", "prefix-affinity"] = "least-requests"
     affinity_block_tokens: int = Field(16, ge=1, description="prefix-affinity: tokens per hashed block (the "
                                                              "engines' KV block size, so hashes match their cache).")
+    affinity_load_bound_percent: int = Field(
+        DEFAULT_LOAD_BOUND_PERCENT, ge=100, description="prefix-affinity: of the last `affinity_window` prefill legs, "
+        "no endpoint takes more than this percentage of an even share (rounded up); a conversation whose endpoint "
+        "is at that cap moves.")
+    affinity_window: int = Field(DEFAULT_SHARE_WINDOW, ge=2, description="prefix-affinity: prefill legs the share "
+                                 "bound counts (all legs while fewer were sent).")
     trust_prefiller_header: bool = Field(
         False, description="Honour x-prefiller-host-port when it names a current prefill endpoint; "
                           "false: the header is stripped and ignored.")

@@ -3,8 +3,9 @@
 Selection is local to this sidecar (each decode pod balances its own legs): ``least-requests``
 picks the endpoint with the fewest legs this sidecar has in flight (ties broken round-robin),
 which follows each endpoint's speed without any shared state; ``prefix-affinity`` sends a prompt
-to the endpoint that already holds its leading KV blocks, bounded by load (affinity.py), and is
-least-requests for legs without prompt tokens. Endpoints that just failed are
+to the endpoint that already holds its leading KV blocks, bounded by load in flight and by the
+share of recent legs (affinity.py), and is least-requests for legs without prompt tokens (within
+the same share bound). Endpoints that just failed are
 avoided for a short while, and a retry never goes to an endpoint already tried for that leg.
 """
 
@@ -17,7 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
 
-from disagg_sidecar.affinity import PrefixIndex, block_chain
+from disagg_sidecar.affinity import PrefixIndex, RecentShare, block_chain
 
 Selection = Literal["round-robin", "random", "least-requests", "prefix-affinity"]
 FAILURE_COOLDOWN_SECONDS = 5.0
@@ -26,7 +27,7 @@ FAILURE_COOLDOWN_SECONDS = 5.0
 class EndpointPool:
     def __init__(self, name: str, endpoints: Callable[[], tuple[str, ...]], selection: Selection = "least-requests",
                  clock: Callable[[], float] = time.monotonic, prefixes: PrefixIndex | None = None,
-                 block_tokens: int = 16):
+                 block_tokens: int = 16, share: RecentShare | None = None):
         self.name = name
         self._endpoints = endpoints
         self.selection = selection
@@ -36,6 +37,7 @@ class EndpointPool:
         self._turn = itertools.count()
         self.prefixes = prefixes or PrefixIndex()
         self.block_tokens = block_tokens
+        self.share = share or RecentShare()
 
     def endpoints(self) -> tuple[str, ...]:
         return self._endpoints()
@@ -46,26 +48,43 @@ class EndpointPool:
     def pick(self, exclude: Collection[str] = (), prompt: Sequence[int] = ()) -> str | None:
         """An endpoint not in ``exclude``; recently failed ones only when nothing else is left.
         ``prompt`` (token ids) is what prefix affinity keys on."""
-        candidates = [u for u in self.endpoints() if u not in exclude]
+        everyone = self.endpoints()
+        candidates = [u for u in everyone if u not in exclude]
         if not candidates:
             return None
-        now = self._clock()
-        fresh = [u for u in candidates if now - self._failed_at.get(u, -1e9) > FAILURE_COOLDOWN_SECONDS]
-        candidates = fresh or candidates
+        candidates = [u for u in self.available() if u not in exclude] or candidates
         turn = next(self._turn)
         if self.selection == "random":
             return random.choice(candidates)
         if self.selection == "round-robin":
             return candidates[turn % len(candidates)]
-        if self.selection == "prefix-affinity" and prompt:
-            self.prefixes.forget(self.endpoints())
-            chain = block_chain(prompt, self.block_tokens)
-            if home := self.prefixes.choose(candidates, chain, self.outstanding):
-                self.prefixes.record(home, chain)
-                return home
+        if self.selection == "prefix-affinity":
+            # A leg with some endpoint out (failed lately, or tried by this retry) had no free choice:
+            # counted, it would send the returning endpoint every leg until the shares even out.
+            home = self._prefix_affinity(self.share.allowed(candidates), prompt, turn)
+            if len(candidates) == len(everyone):
+                self.share.record(home)
+            return home
+        return self._least_requests(candidates, turn)
+
+    def available(self) -> list[str]:
+        """The endpoints that did not fail in the last ``FAILURE_COOLDOWN_SECONDS``."""
+        now = self._clock()
+        return [u for u in self.endpoints() if now - self._failed_at.get(u, -1e9) > FAILURE_COOLDOWN_SECONDS]
+
+    def _least_requests(self, candidates: Sequence[str], turn: int) -> str:
         least = min(self.outstanding(u) for u in candidates)
         tied = [u for u in candidates if self.outstanding(u) == least]
         return tied[turn % len(tied)]
+
+    def _prefix_affinity(self, candidates: Sequence[str], prompt: Sequence[int], turn: int) -> str:
+        home = None
+        if prompt:
+            self.prefixes.forget(self.endpoints())
+            chain = block_chain(prompt, self.block_tokens)
+            if home := self.prefixes.choose(candidates, chain, self.outstanding, self.share.count):
+                self.prefixes.record(home, chain)
+        return home or self._least_requests(candidates, turn)
 
     @contextmanager
     def lease(self, url: str) -> Iterator[str]:

@@ -1,14 +1,18 @@
-"""The benchmarks' pure parts: statistics, goal verdicts, profile summaries, growth and settling checks."""
+"""The benchmarks' pure parts: statistics, goal verdicts, profile summaries, growth and settling checks, the
+prefix part's share bound."""
 
 from __future__ import annotations
 
 import math
+import random
 
 from benchmarks.derender import bytes_growth
 from benchmarks.goals import Goal, check_all
+from benchmarks.prefix import share_cap
 from benchmarks.profile import collapsed_top
 from benchmarks.soak import Footprint
 from benchmarks.stats import paired_ratios, quantile, summary
+from disagg_sidecar.endpoints import EndpointPool
 
 
 def test_quantiles_interpolate_and_summary_keeps_the_spread() -> None:
@@ -60,3 +64,14 @@ def test_footprint_settles_only_without_clients_requests_or_extra_threads() -> N
     assert not Footprint(0, 4, 3, 2, 11, 0).settled(base)      # a thread more
     assert not Footprint(0, 40, 3, 1, 47, 0).settled(base)     # upstream connections leaked
     assert not Footprint(0, 4, 3, 1, 30, 0).settled(base)      # file descriptors leaked
+
+
+def test_the_share_cap_of_a_round_bounds_what_a_fresh_sidecar_sends_one_engine() -> None:
+    # 80 legs, 2 engines, 125% of the last 64: 64 legs hold at most 40, the first 16 at most 10.
+    assert share_cap(80, 2) == 50 and share_cap(12, 2) == 8 and share_cap(64, 2) == 40
+    rng = random.Random(3)
+    hot = [rng.randrange(10, 150_000) for _ in range(300)]  # one prompt: affinity wants one engine for all
+    for legs in (12, 80, 200):
+        pool = EndpointPool("prefill", lambda: ("a", "b"), "prefix-affinity", block_tokens=16)
+        picks = [pool.pick(prompt=hot) for _ in range(legs)]
+        assert max(picks.count("a"), picks.count("b")) <= share_cap(legs, 2)

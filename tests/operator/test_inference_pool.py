@@ -90,6 +90,9 @@ def test_prefix_affinity_is_the_default_with_the_engines_block_size() -> None:
     spec["router"].pop("prefillSelection", None)
     prefill = sidecar_file(plan_of(spec))["prefill"]
     assert prefill["selection"] == "prefix-affinity" and prefill["affinity_block_tokens"] == 16  # GPU default
+    assert prefill["affinity_load_bound_percent"] == 125
+    bound = sidecar_file(plan_of(merged(spec, {"router": {"prefillLoadBoundPercent": 150}})))["prefill"]
+    assert bound["affinity_load_bound_percent"] == 150
     big = merged(spec, {"model": {"engineArgs": ["--block-size", "64"]}})
     assert sidecar_file(plan_of(big))["prefill"]["affinity_block_tokens"] == 64
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from disagg_sidecar.affinity import PrefixIndex, block_chain, rendezvous
+from disagg_sidecar.affinity import PrefixIndex, RecentShare, block_chain, rendezvous
 from disagg_sidecar.endpoints import EndpointPool
 
 URLS = ("http://a:1", "http://b:1", "http://c:1")
@@ -49,8 +49,9 @@ def test_a_conversation_s_next_turn_goes_where_its_last_turn_went() -> None:
 
 
 def test_affinity_gives_way_to_load_beyond_the_imbalance_bound() -> None:
+    # The share bound would move the second leg of 3 endpoints' first two: this is the in-flight bound alone.
     pool = EndpointPool("prefill", lambda: URLS, "prefix-affinity", block_tokens=16,
-                        prefixes=PrefixIndex(max_imbalance=2))
+                        prefixes=PrefixIndex(max_imbalance=2), share=RecentShare(bound_percent=1000))
     prompt = tokens(100)
     home = pool.pick(prompt=prompt)
     with pool.lease(home), pool.lease(home):

@@ -11,7 +11,8 @@ from contextlib import ExitStack
 import pytest
 
 from disagg_sidecar import wire
-from tests.sidecar.support import chat, recording_proxy, run_sidecar, sidecar_config
+from disagg_sidecar.keys import UPSTREAM
+from tests.sidecar.support import chat, recording_proxy, run_sidecar, sidecar_config, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -26,7 +27,12 @@ def test_a_conversation_keeps_its_prefill_endpoint_and_conversations_spread(engi
         config = sidecar_config(engine_set, prefill={
             "discovery": {"kind": "static", "urls": [p.url for p in proxies]},
             "selection": "prefix-affinity", "affinity_block_tokens": 16})
+        # A health probe slower than its 2 s (a loaded machine) benches an endpoint for 5 s, which moves
+        # conversations: not this test's subject. Only the start-up probe runs, and both must pass it.
+        config["limits"] = {**config.get("limits", {}), "health_interval_seconds": 3600}
         sidecar = stack.enter_context(run_sidecar(config))
+        prefill = sidecar.app[UPSTREAM].pools["prefill"]
+        assert wait_for(lambda: len(prefill.available()) == 2, timeout=30), "both prefill endpoints healthy"
         history = {c: [{"role": "system", "content": SYSTEM}] for c in range(CONVERSATIONS)}
         homes: dict[int, list[int]] = {c: [] for c in history}
         for turn in range(TURNS):
