@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
-from disagg_sidecar import allowlist, bodycheck, plan, requestlimits, wire
+from disagg_sidecar import allowlist, bodycheck, enginemetrics, plan, requestlimits, wire
 from disagg_sidecar.budget import Reservation
 from disagg_sidecar.errors import SidecarError, bad_request
 from disagg_sidecar.context import Context
@@ -198,4 +198,7 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
+    app, exported = request.app, request.app[STATE].config.metrics
+    body = (await enginemetrics.render(app[UPSTREAM], app[METRICS], exported.engine_timeout_seconds)
+            if exported.include_engine else app[METRICS].render())
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
