@@ -43,7 +43,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       engine_api_key_file: /etc/disagg/engine-api-key/api-key   # sent to every engine
       client_api_key_file: /etc/disagg/client-api-key/api-key   # required from clients
     tls: {ca_file: /var/run/disagg/tls-ca/ca.crt, server_name: qwen-engine.ns.svc}   # optional: https engines
-    metrics: {include_engine: true, engine_timeout_seconds: 1}   # /metrics also carries the decode engine's
+    metrics: {include_engine: true, engine_timeout_seconds: 1, engine_max_age_seconds: 0.2}  # + the engine's
 """
 
 from __future__ import annotations
@@ -204,6 +204,7 @@ class Exposition(_Model):  # what /metrics serves
     include_engine: bool = Field(False, description="Append the decode engine's families that the sidecar does not "
                                  "export itself (docs/llm-d.md); the operator sets it with an InferencePool.")
     engine_timeout_seconds: float = Field(1.0, gt=0, le=30, description="Slower or failed: the sidecar's own only.")
+    engine_max_age_seconds: float = Field(0.2, ge=0, le=10, description="Reuse the engine's families this long.")
 
 
 class TLS(_Model):

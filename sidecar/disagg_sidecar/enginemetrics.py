@@ -1,15 +1,22 @@
-"""``/metrics`` with the decode engine's families (``metrics.include_engine``): fetched on each
-scrape with a short timeout, merged by ``exposition.merge``. A scrape never fails or waits longer
-on the engine's account: without them it serves the sidecar's own, the miss counted by reason."""
+"""``/metrics`` with the decode engine's families (``metrics.include_engine``): fetched with a short
+timeout, merged by ``exposition``. A scrape never fails or waits longer on the engine's account:
+without them it serves the sidecar's own, the miss counted by reason.
+
+Parsing the engine's exposition costs milliseconds of the event loop (docs/llm-d.md), and an
+endpoint picker scrapes every 50 ms by default: the merged part is reused for
+``metrics.engine_max_age_seconds``, shared by every scraper.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 
 from disagg_sidecar import exposition, wire
+from disagg_sidecar.config import Exposition
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.upstream import Upstream
 
@@ -41,15 +48,30 @@ async def _fetch(up: Upstream, timeout: float) -> str:
         raise LookupError("invalid") from exc
 
 
-async def render(up: Upstream, metrics: Metrics, timeout: float) -> bytes:
-    """The sidecar's exposition followed by the engine's families it does not export itself."""
-    try:
-        engine = await _fetch(up, timeout)
-        return exposition.merge(metrics.render().decode(), engine).encode()
-    except LookupError as exc:
-        reason = str(exc)
-    except ValueError as exc:
-        log.warning("the decode engine's /metrics is not a Prometheus exposition: %s", str(exc)[:300])
-        reason = "invalid"
-    metrics.engine_metrics_missing.labels(reason).inc()
-    return metrics.render()
+class EngineMetrics:
+    """The scrape of one app: its own exposition, then the engine's part (fresh or recent)."""
+
+    def __init__(self, up: Upstream, metrics: Metrics, config: Exposition) -> None:
+        self.up, self.metrics, self.config = up, metrics, config
+        self._part: tuple[float, str] | None = None  # (monotonic time fetched, engine part)
+
+    async def render(self) -> bytes:
+        own = self.metrics.render()
+        if not self.config.include_engine:
+            return own
+        if self._part is not None and time.monotonic() - self._part[0] < self.config.engine_max_age_seconds:
+            return own + self._part[1].encode()
+        fetched = time.monotonic()
+        try:
+            part = exposition.engine_part(own.decode(), await _fetch(self.up, self.config.engine_timeout_seconds))
+        except LookupError as exc:
+            reason = str(exc)
+        except ValueError as exc:
+            log.warning("the decode engine's /metrics is not a Prometheus exposition: %s", str(exc)[:300])
+            reason = "invalid"
+        else:
+            self._part = (fetched, part)
+            return self.metrics.render() + part.encode()  # own as of now: the fetch took a while
+        self._part = None
+        self.metrics.engine_metrics_missing.labels(reason).inc()
+        return self.metrics.render()

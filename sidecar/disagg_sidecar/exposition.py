@@ -41,6 +41,12 @@ def merge(own: str, engine: str) -> str:
 
     Raises ValueError when ``engine`` is not a Prometheus text exposition (``own`` is trusted).
     """
+    return own + engine_part(own, engine)
+
+
+def engine_part(own: str, engine: str) -> str:
+    """What ``merge`` appends to ``own`` (its names only decide what is kept: the part can follow a
+    later exposition of the same registry)."""
     taken = set().union(*(_names(f) for f in text_string_to_metric_families(own)))
     families = []
     try:
@@ -52,4 +58,4 @@ def merge(own: str, engine: str) -> str:
         raise ValueError(f"not a Prometheus text exposition: {exc}") from exc
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))  # type: ignore[arg-type]  # a collector is anything with collect()
-    return own + generate_latest(registry).decode()
+    return generate_latest(registry).decode()

@@ -18,12 +18,12 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
-from disagg_sidecar import allowlist, bodycheck, enginemetrics, plan, requestlimits, wire
+from disagg_sidecar import allowlist, bodycheck, plan, requestlimits, wire
 from disagg_sidecar.budget import Reservation
 from disagg_sidecar.errors import SidecarError, bad_request
 from disagg_sidecar.context import Context
 from disagg_sidecar.flows import Flows
-from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
+from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import CONTENT_TYPE
 
@@ -198,7 +198,4 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    app, exported = request.app, request.app[STATE].config.metrics
-    body = (await enginemetrics.render(app[UPSTREAM], app[METRICS], exported.engine_timeout_seconds)
-            if exported.include_engine else app[METRICS].render())
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=await request.app[SCRAPE].render(), headers={"Content-Type": CONTENT_TYPE})

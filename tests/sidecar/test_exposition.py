@@ -10,7 +10,7 @@ import requests
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg_sidecar.exposition import merge
+from disagg_sidecar.exposition import engine_part, merge
 from disagg_sidecar.metrics import Metrics
 from tests.sidecar.support import fake_config, fake_engine, free_port, run_sidecar
 
@@ -54,7 +54,7 @@ def own_text() -> str:
 def test_engine_families_follow_the_sidecars_own_with_help_type_and_samples() -> None:
     own, engine = own_text(), engine_text()
     merged = merge(own, engine)
-    assert merged.startswith(own)
+    assert merged == own + engine_part(own, engine)
     got, theirs, ours = families(merged), families(engine), families(own)
     for name in ENGINE_ONLY:
         assert (got[name].samples, got[name].documentation, got[name].type) == (
@@ -130,6 +130,23 @@ def test_include_engine_serves_the_engines_families_at_the_sidecars_port() -> No
     assert call.headers["Accept-Encoding"] == "identity"  # the upstream session does not decompress
 
 
+def test_the_engines_families_are_reused_for_max_age_then_fetched_again() -> None:
+    with fake_engine() as engine:
+        engine.metrics = engine_text()
+        config = fake_config(engine, metrics={"include_engine": True, "engine_max_age_seconds": 10})
+        with run_sidecar(config) as sidecar:
+            first, _ = scrape(sidecar.url)
+            engine.metrics = engine.metrics.replace("vllm:num_requests_waiting{model_name=\"tiny-qwen3\"} 3.0",
+                                                    "vllm:num_requests_waiting{model_name=\"tiny-qwen3\"} 9.0")
+            second, _ = scrape(sidecar.url)
+        assert len([c for c in engine.calls if c.path == "/metrics"]) == 1
+        assert families(second)["vllm:num_requests_waiting"].samples[0].value == 3
+        with run_sidecar({**config, "metrics": {"include_engine": True, "engine_max_age_seconds": 0}}) as sidecar:
+            fresh, _ = scrape(sidecar.url)
+    assert families(fresh)["vllm:num_requests_waiting"].samples[0].value == 9
+    assert families(first)["vllm:num_requests_waiting"].samples[0].value == 3
+
+
 def test_without_include_engine_the_engine_is_not_asked() -> None:
     with fake_engine() as engine:
         engine.metrics = engine_text()
@@ -151,7 +168,8 @@ def test_a_missing_engine_exposition_serves_the_sidecars_own_and_counts_it(fault
         if fault == "slow":
             engine.delay["/metrics"] = 5.0
         decode = {"url": f"http://127.0.0.1:{free_port()}"} if fault == "gone" else {"url": engine.url}
-        config = fake_config(engine, decode=decode, metrics={"include_engine": True, "engine_timeout_seconds": 0.3})
+        config = fake_config(engine, decode=decode, metrics={"include_engine": True, "engine_timeout_seconds": 0.3,
+                                                             "engine_max_age_seconds": 10})  # a miss is never reused
         with run_sidecar(config) as sidecar:
             first, seconds = scrape(sidecar.url)
             second, _ = scrape(sidecar.url)
