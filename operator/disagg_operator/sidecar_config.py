@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from disagg_operator import engine_args, names
 from disagg_operator.spec import DisaggregatedModelSpec
 from disagg_sidecar.config import (
-    TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Listen, Prefill, SidecarConfig, StaticDiscovery, Tier,
-    Timeouts,
+    TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Exposition, Listen, Prefill, SidecarConfig,
+    StaticDiscovery, Tier, Timeouts,
 )
 from disagg_sidecar.discovery_config import Discovery
 
@@ -102,6 +102,9 @@ def build(
     keys = auth(spec)
     return SidecarConfig(
         **({"auth": keys} if keys.model_fields_set else {}), **({"tls": endpoints.tls} if endpoints.tls else {}),
+        # The pool's endpoint picker scrapes the sidecar's port for vLLM's metrics (docs/llm-d.md); without a
+        # pool Prometheus scrapes the engine itself, and a second copy of its series would count twice.
+        **({"metrics": Exposition(include_engine=True)} if pool else {}),
         version=1, served_model_name=served_name, listen=listen, decode=Decode(url=endpoints.decode_url),
         render=_tier(endpoints.render_url), derender=_tier(endpoints.derender_url), prefill=prefill,
         kv_connector=kv_connector,

@@ -21,9 +21,10 @@ from disagg_sidecar.connectors import get_connector
 from disagg_sidecar.decoding import Decoder
 from disagg_sidecar.discovery import make_source
 from disagg_sidecar.endpoints import EndpointPool
+from disagg_sidecar.enginemetrics import EngineMetrics
 from disagg_sidecar.errors import SidecarError, error_bytes
 from disagg_sidecar.flows import Flows
-from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
+from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.poollegs import PoolLegs
@@ -191,6 +192,7 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
                              share=RecentShare(config.prefill.affinity_window, config.prefill.affinity_load_bound_percent)),
     )
     app[UPSTREAM] = upstream
+    app[SCRAPE] = EngineMetrics(upstream, app[METRICS], config.metrics)
     state = app[STATE]
     kv = get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector else None
     app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv),

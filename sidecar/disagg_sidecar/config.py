@@ -43,6 +43,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       engine_api_key_file: /etc/disagg/engine-api-key/api-key   # sent to every engine
       client_api_key_file: /etc/disagg/client-api-key/api-key   # required from clients
     tls: {ca_file: /var/run/disagg/tls-ca/ca.crt, server_name: qwen-engine.ns.svc}   # optional: https engines
+    metrics: {include_engine: true, engine_timeout_seconds: 1, engine_max_age_seconds: 0.2}  # + the engine's
 """
 
 from __future__ import annotations
@@ -199,6 +200,13 @@ class Auth(_Model):
         None, description="Clients must send this key as `Authorization: Bearer`; /health* and /metrics stay open.")
 
 
+class Exposition(_Model):  # what /metrics serves
+    include_engine: bool = Field(False, description="Append the decode engine's families that the sidecar does not "
+                                 "export itself (docs/llm-d.md); the operator sets it with an InferencePool.")
+    engine_timeout_seconds: float = Field(1.0, gt=0, le=30, description="Slower or failed: the sidecar's own only.")
+    engine_max_age_seconds: float = Field(0.2, ge=0, le=10, description="Reuse the engine's families this long.")
+
+
 class TLS(_Model):
     """HTTPS to the engines (their URLs say https://), verified with ``ca_file``."""
 
@@ -209,10 +217,8 @@ class TLS(_Model):
 
 
 class EngineFeatures(BaseModel):
-    """What the engines' vLLM version offers (the operator derives it from the version).
-
-    Unknown keys are ignored: a newer operator may know features this sidecar does not use.
-    """
+    """What the engines' vLLM version offers (the operator derives it from the version). Unknown keys
+    are ignored: a newer operator may know features this sidecar does not use."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -250,6 +256,7 @@ class SidecarConfig(_Model):
     engine: Engine = Field(default_factory=Engine)
     auth: Auth = Field(default_factory=Auth)
     tls: TLS | None = None
+    metrics: Exposition = Field(default_factory=Exposition)
 
     @model_validator(mode="after")
     def _connector(self) -> SidecarConfig:

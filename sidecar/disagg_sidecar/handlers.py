@@ -23,7 +23,7 @@ from disagg_sidecar.budget import Reservation
 from disagg_sidecar.errors import SidecarError, bad_request
 from disagg_sidecar.context import Context
 from disagg_sidecar.flows import Flows
-from disagg_sidecar.keys import FLOWS, METRICS, STATE, UPSTREAM
+from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import CONTENT_TYPE
 
@@ -198,4 +198,4 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=await request.app[SCRAPE].render(), headers={"Content-Type": CONTENT_TYPE})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from disagg_sidecar.enginemetrics import EngineMetrics
 from disagg_sidecar.flows import Flows
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.state import SidecarState
@@ -13,3 +14,4 @@ STATE = web.AppKey("state", SidecarState)
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)
 FLOWS = web.AppKey("flows", Flows)
+SCRAPE = web.AppKey("scrape", EngineMetrics)

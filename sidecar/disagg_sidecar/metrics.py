@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GCCollector, PlatformCollector, ProcessCollector, CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -32,6 +34,14 @@ class Metrics:
         self.coalesced_chunks = Counter(f"{ns}_coalesced_chunks",
                                         "Generate chunks merged into a later derender call.", registry=r)
         self.aborts = Counter(f"{ns}_aborts", "Upstream requests aborted after a client disconnect.", registry=r)
+        self.engine_metrics_missing = Counter(
+            f"{ns}_engine_metrics_missing", "Scrapes of /metrics served without the decode engine's families "
+            "(metrics.include_engine), by reason.", ["reason"], registry=r)
+        # The sidecar's own process, as in prometheus_client's default registry: with include_engine these
+        # names are the sidecar's, not the engine's (disagg_sidecar.exposition).
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,6 +13,7 @@ from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, Role
 from disagg_operator.reconcile import converge, model_status
 from disagg_operator.status import compute_status, status_patch
+from disagg_sidecar.config import SidecarConfig
 from tests.operator.builders import example_doc, full_spec, plan_of, sidecar_file
 from tests.operator.cases import merged
 
@@ -41,6 +42,7 @@ def test_off_by_default_no_pool_no_labels_no_header_trust() -> None:
                for labels in templates(plan).values())
     prefill = sidecar_file(plan)["prefill"]
     assert prefill["trust_prefiller_header"] is False and "pool_port" not in prefill
+    assert "metrics" not in sidecar_file(plan)  # the sidecar's default: its own metrics only
 
 
 def test_enabled_pool_selects_exactly_decode_and_prefill_pods_at_the_sidecar_port() -> None:
@@ -83,6 +85,13 @@ def test_decode_only_model_gets_a_pool_of_decode_pods() -> None:
     selector = pool["spec"]["selector"]["matchLabels"]
     assert {r for r, labels in templates(plan).items() if selector.items() <= labels.items()} == {"decode"}
     assert sidecar_file(plan)["prefill"] == {"mode": "local"}
+    assert sidecar_file(plan)["metrics"] == {"include_engine": True}
+
+
+def test_enabled_pool_serves_the_engines_metrics_at_the_target_port() -> None:
+    file = sidecar_file(plan_of(enabled()))
+    assert file["metrics"] == {"include_engine": True}
+    assert SidecarConfig.model_validate(file).metrics.include_engine is True  # what the sidecar reads
 
 
 def test_prefix_affinity_is_the_default_with_the_engines_block_size() -> None:

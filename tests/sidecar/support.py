@@ -254,14 +254,17 @@ REFUSED = json.dumps({"error": {"message": "refused by the fake engine", "type":
 class FakeEngine:
     """An upstream that records every request and answers every POST with an OpenAI-shaped 400
     (GET /health 200, /v1/models one model): what a test needs to count what the sidecar
-    forwards, without engines. ``answer`` replaces the 400 for a path with (status, body)."""
+    forwards, without engines. ``answer`` replaces the 400 for a path with (status, body);
+    ``metrics``: the text GET /metrics answers (None: 404), after ``delay`` seconds for a path."""
 
     url: str = ""
     calls: list[Recorded] = field(default_factory=list)
     answer: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    metrics: str | None = None
+    delay: dict[str, float] = field(default_factory=dict)
 
     def posts(self) -> list[Recorded]:
-        return [c for c in self.calls if c.path not in ("/health", "/v1/models", "/disagg/v1/capabilities")]
+        return [c for c in self.calls if c.path not in ("/health", "/v1/models", "/disagg/v1/capabilities", "/metrics")]
 
 
 @contextmanager
@@ -273,6 +276,7 @@ def fake_engine() -> Iterator[FakeEngine]:
     async def handle(request: web.Request) -> web.Response:
         raw = await request.read()
         engine.calls.append(Recorded(request.path, dict(request.headers), raw))
+        await asyncio.sleep(engine.delay.get(request.path, 0))  # a slow engine, not synchronisation
         if (fault := engine.answer.get(request.path)) is not None:
             return web.Response(status=fault[0], body=fault[1], content_type="application/json")
         if request.method == "GET":
@@ -280,13 +284,16 @@ def fake_engine() -> Iterator[FakeEngine]:
                 return web.Response(text="")
             if request.path == "/v1/models":
                 return web.json_response({"object": "list", "data": [{"id": SERVED, "object": "model"}]})
+            if request.path == "/metrics" and engine.metrics is not None:
+                return web.Response(text=engine.metrics, content_type="text/plain")
             return web.Response(status=404)
         return web.Response(status=400, body=REFUSED, content_type="application/json")
 
     async def start() -> web.AppRunner:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", handle)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1)
+        # handler_cancellation: a delayed answer ends when its client gives up (no task left at close)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         return runner
