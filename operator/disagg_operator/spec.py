@@ -238,7 +238,9 @@ class RouterSpec(WireModel):
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest accepted request body.")
     service: RouterService = Field(default_factory=RouterService)
-    resources: KubeObject | None = Field(None, description="Sidecar container resources.")
+    resources: KubeObject | None = Field(
+        None, description="Sidecar container resources; default requests 100m CPU and 128Mi, limit 512Mi: ~52 MiB "
+        "idle + the sidecar's 256 MiB budget for bodies in flight + one request's parse (docs/security.md).")
 
 
 class DisaggregatedModelSpec(WireModel):
