@@ -13,17 +13,22 @@ each render endpoint at run time (``GET /disagg/v1/capabilities``), so it never 
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from disagg_operator import engine_args
 from disagg_operator.spec import DisaggregatedModelSpec
 
 Strategy = Literal["inline", "session", "stateless"]
+# vLLM's own images, which have no disagg package: vLLM skips a plugin it cannot find without a
+# word, so the operator does not ask for one there (models made before engine.renderExtension
+# existed have the stock CPU image stored and keep working, stateless).
+STOCK_IMAGE = re.compile(r"^(docker[.]io/)?vllm/vllm-openai(-cpu)?([:@].*)?$")
 
 
 def render_extension(spec: DisaggregatedModelSpec, render_tier: bool) -> bool:
     """The render and derender pools run the engine extension."""
-    return render_tier and spec.engine.render_extension
+    return render_tier and spec.engine.render_extension and not STOCK_IMAGE.match(spec.engine.cpu_image)
 
 
 def derender_sessions(spec: DisaggregatedModelSpec, render_tier: bool) -> bool:

@@ -40,7 +40,6 @@ SOURCE_RE = (
     r"|~?/[^ ]*)$"  # ~/PATH: local mode expands it (a Kubernetes pod has no home of yours)
 )
 VERSION_RE = r"^[0-9]+[.][0-9]+[.][0-9]+([-+.a-z][-+.a-z0-9]*)?$"
-STOCK_IMAGE_RE = r"^(docker[.]io/)?vllm/vllm-openai(-cpu)?([:@].*)?$"  # vLLM's own images: no disagg package
 
 
 @dataclass(frozen=True)
@@ -176,13 +175,6 @@ RULES: tuple[Rule, ...] = (
         f"|| int(self.vllmVersion.split('.')[1]) >= {MIN_VLLM[1]})",
         f"engine.vllmVersion must be a version MAJOR.MINOR.PATCH, {MIN_VLLM[0]}.{MIN_VLLM[1]}.0 or newer",
         lambda e: _version_ok(e.vllm_version), ".vllmVersion",
-    ),
-    Rule(
-        "engine.render-extension-image", "EngineSpec",
-        f"!self.renderExtension || !self.cpuImage.matches('{STOCK_IMAGE_RE}')",
-        "engine.renderExtension needs the disagg package in engine.cpuImage, which names a stock vLLM image: use "
-        "Disagg's CPU engine image (the default; images/vllm-cpu.Dockerfile) or set engine.renderExtension to false",
-        lambda e: not e.render_extension or not _re(STOCK_IMAGE_RE, e.cpu_image), ".cpuImage",
     ),
     _port_rule("engine.port", "EngineSpec", "port", "engine.port", 1024, " (render pods run as non-root)"),
     # --- KV transfer -----------------------------------------------------------------------------

@@ -79,8 +79,6 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("env.one-value", model(env=[{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]),
             "spec.model.env.0"),
     Invalid("engine.vllm-version", {"engine": {"vllmVersion": "0.31.2"}}, "spec.engine.vllmVersion"),
-    Invalid("engine.render-extension-image", {"engine": {"cpuImage": "vllm/vllm-openai-cpu:v0.33.0"}},
-            "spec.engine.cpuImage"),
     Invalid("engine.port", {"engine": {"port": 80}}, "spec.engine.port"),
     Invalid("kv.connector", {"kvTransfer": {"connector": "LMCacheConnectorV1"}}, "spec.kvTransfer.connector"),
     Invalid("kv.side-channel-port", {"kvTransfer": {"sideChannelPort": 70000}}, "spec.kvTransfer.sideChannelPort"),
@@ -169,7 +167,7 @@ EDGES: tuple[tuple[str, dict[str, Any], bool], ...] = (
     ("derender pool with render", pools(derender={"replicas": 2}), True),
     *((f"cpu image {image} extension {on}", {"engine": {"cpuImage": image, "renderExtension": on}}, ok)
       for image, on, ok in [
-          ("docker.io/vllm/vllm-openai-cpu@sha256:ab", True, False), ("vllm/vllm-openai", True, False),
+          ("docker.io/vllm/vllm-openai-cpu@sha256:ab", True, True), ("vllm/vllm-openai", True, True),
           ("vllm/vllm-openai-cpu:v0.33.0", False, True), ("registry.example/vllm/vllm-openai-cpu:v0.33.0", True, True),
           ("ghcr.io/disagg/vllm-cpu:v0.32.0", True, True), ("vllm/vllm-openai-cpu-disagg:v1", True, True)]),
     ("autoscaling with metrics", pools(render={"autoscaling": {"maxReplicas": 3, "metrics": [

@@ -283,6 +283,19 @@ def test_render_extension_puts_the_plugin_on_the_render_and_derender_pools_by_de
     assert all("VLLM_PLUGINS" not in env(p) for p in stock.pools)
 
 
+@pytest.mark.parametrize("image, loaded", [
+    ("docker.io/vllm/vllm-openai-cpu@sha256:ab", False), ("vllm/vllm-openai", False), ("vllm/vllm-openai-cpu:v0.32.0", False),
+    ("registry.example/vllm/vllm-openai-cpu:v0.32.0", True), ("ghcr.io/disagg/vllm-cpu:v0.32.0", True),
+    ("vllm/vllm-openai-cpu-disagg:v1", True)])
+def test_a_stock_cpu_image_runs_without_the_render_extension(image: str, loaded: bool) -> None:
+    """vLLM's own images lack the package (vLLM would skip the plugin silently): no plugin asked for,
+    and the status and the sidecar say stateless."""
+    plan = plan_of(merged(full_spec(), {"engine": {"cpuImage": image, "vllmVersion": "0.32.0"}}))
+    assert ("VLLM_PLUGINS" in env(plan.pool(Role.RENDER))) is loaded
+    assert plan.derender_strategy == ("session" if loaded else "stateless")
+    assert sidecar_file(plan)["engine"]["derender_sessions"] is loaded
+
+
 def test_render_extension_refuses_a_vllm_plugins_env_it_cannot_extend() -> None:
     spec = merged(full_spec(), {"pools": {"derender": {"env": [
         {"name": "VLLM_PLUGINS", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}}})
