@@ -52,7 +52,7 @@ class EndpointPool:
         candidates = [u for u in everyone if u not in exclude]
         if not candidates:
             return None
-        candidates = [u for u in self.available() if u not in exclude] or candidates
+        candidates = [u for u in self.available(everyone) if u not in exclude] or candidates
         turn = next(self._turn)
         if self.selection == "random":
             return random.choice(candidates)
@@ -61,26 +61,28 @@ class EndpointPool:
         if self.selection == "prefix-affinity":
             # A leg with some endpoint out (failed lately, or tried by this retry) had no free choice:
             # counted, it would send the returning endpoint every leg until the shares even out.
-            home = self._prefix_affinity(self.share.allowed(candidates), prompt, turn)
+            home = self._prefix_affinity(self.share.allowed(candidates), everyone, prompt, turn)
             if len(candidates) == len(everyone):
                 self.share.record(home)
             return home
         return self._least_requests(candidates, turn)
 
-    def available(self) -> list[str]:
-        """The endpoints that did not fail in the last ``FAILURE_COOLDOWN_SECONDS``."""
+    def available(self, endpoints: Sequence[str] | None = None) -> list[str]:
+        """The endpoints (of ``endpoints``, default all) that did not fail in the last ``FAILURE_COOLDOWN_SECONDS``."""
         now = self._clock()
-        return [u for u in self.endpoints() if now - self._failed_at.get(u, -1e9) > FAILURE_COOLDOWN_SECONDS]
+        return [u for u in (self.endpoints() if endpoints is None else endpoints)
+                if now - self._failed_at.get(u, -1e9) > FAILURE_COOLDOWN_SECONDS]
 
     def _least_requests(self, candidates: Sequence[str], turn: int) -> str:
         least = min(self.outstanding(u) for u in candidates)
         tied = [u for u in candidates if self.outstanding(u) == least]
         return tied[turn % len(tied)]
 
-    def _prefix_affinity(self, candidates: Sequence[str], prompt: Sequence[int], turn: int) -> str:
+    def _prefix_affinity(self, candidates: Sequence[str], everyone: Sequence[str], prompt: Sequence[int],
+                         turn: int) -> str:
         home = None
         if prompt:
-            self.prefixes.forget(self.endpoints())
+            self.prefixes.forget(everyone)
             chain = block_chain(prompt, self.block_tokens)
             if home := self.prefixes.choose(candidates, chain, self.outstanding, self.share.count):
                 self.prefixes.record(home, chain)
