@@ -94,7 +94,7 @@ def _sidecar_container(plan: Plan) -> dict[str, Any]:
     mounts = [{"name": "sidecar-config", "mountPath": SIDECAR_CONFIG_DIR, "readOnly": True}]
     if plan.disaggregated:  # prefill discovery reads EndpointSlices; only this container gets a token
         mounts.append({"name": "api-token", "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True})
-    mounts += [{"name": name, "mountPath": path, "readOnly": True} for name, path in _key_mounts(plan)]
+    mounts += [{"name": volume, "mountPath": path, "readOnly": True} for volume, path, _, _ in _sidecar_secrets(plan)]
     container: dict[str, Any] = {
         "name": names.SIDECAR_CONTAINER,
         "image": sidecar.image,
@@ -110,24 +110,19 @@ def _sidecar_container(plan: Plan) -> dict[str, Any]:
     return container
 
 
-def _key_mounts(plan: Plan) -> list[tuple[str, str]]:
-    security = plan.spec.security
-    return [*([("engine-api-key", ENGINE_KEY_DIR)] if security.engine_api_key.enabled else []),
-            *([("client-api-key", CLIENT_KEY_DIR)] if security.client_api_key else []),
-            *([("engine-tls-ca", engine_args.TLS_CA_DIR)] if security.tls else [])]
-
-
-def _key_volumes(plan: Plan) -> list[dict[str, Any]]:
-    """The sidecar's API key Secrets, each key as the file ``api-key`` (sidecar_config.auth), owner-read only."""
-    security, volumes = plan.spec.security, []
+def _sidecar_secrets(plan: Plan) -> list[tuple[str, str, str, dict[str, str]]]:
+    """The Secrets mounted into the sidecar only: (volume, mount path, Secret, Secret key -> file).
+    Each API key is the file ``api-key`` (sidecar_config.auth); of TLS, the CA only: the sidecar
+    never sees the engines' private key."""
+    security, out = plan.spec.security, []
     if security.engine_api_key.enabled:
-        volumes.append(_secret_volume("engine-api-key", names.engine_api_key_secret(plan.name),
-                                      {names.API_KEY_KEY: names.API_KEY_KEY}))
+        out.append(("engine-api-key", ENGINE_KEY_DIR, names.engine_api_key_secret(plan.name),
+                    {names.API_KEY_KEY: names.API_KEY_KEY}))
     if (client := security.client_api_key) is not None:
-        volumes.append(_secret_volume("client-api-key", client.name, {client.key: names.API_KEY_KEY}))
-    if security.tls is not None:  # the CA only: the sidecar never sees the engines' private key
-        volumes.append(_secret_volume("engine-tls-ca", security.tls.secret_name, {"ca.crt": "ca.crt"}))
-    return volumes
+        out.append(("client-api-key", CLIENT_KEY_DIR, client.name, {client.key: names.API_KEY_KEY}))
+    if security.tls is not None:
+        out.append(("engine-tls-ca", engine_args.TLS_CA_DIR, security.tls.secret_name, {"ca.crt": "ca.crt"}))
+    return out
 
 
 def _secret_volume(volume: str, secret: str, files: dict[str, str]) -> dict[str, Any]:
@@ -164,7 +159,7 @@ def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
                 {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
                 {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
             ]}})
-        volumes += _key_volumes(plan)
+        volumes += [_secret_volume(volume, secret, files) for volume, _, secret, files in _sidecar_secrets(plan)]
     return volumes
 
 
