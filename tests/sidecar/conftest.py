@@ -23,11 +23,13 @@ import pytest
 from tests.sidecar.support import RunningSidecar, run_sidecar, sidecar_config
 
 TOKENS_ONLY = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+# The operator's default prefill selection (router.prefillSelection): the parity sidecars run it.
+DEPLOYED_SELECTION = {"prefill": {"selection": "prefix-affinity"}}
 
 
-def chained_config(sset) -> dict:
+def chained_config(sset, **overrides) -> dict:
     """Decode configured as tokens-only: every answer is made by the derender tier."""
-    return sidecar_config(sset, decode={"capabilities": TOKENS_ONLY})
+    return sidecar_config(sset, decode={"capabilities": TOKENS_ONLY}, **overrides)
 
 
 @pytest.fixture(scope="session")
@@ -45,19 +47,19 @@ def chained_sidecar(engine_set, forcer) -> Iterator[RunningSidecar]:
 # One sidecar per decode path in front of each vLLM lane's set (``lane_set``): the parity tests.
 @pytest.fixture(scope="session")
 def lane_inline_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
-    with run_sidecar(sidecar_config(lane_set)) as sidecar:
+    with run_sidecar(sidecar_config(lane_set, **DEPLOYED_SELECTION)) as sidecar:
         yield sidecar
 
 
 @pytest.fixture(scope="session")
 def lane_chained_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
-    with run_sidecar(chained_config(lane_set)) as sidecar:
+    with run_sidecar(chained_config(lane_set, **DEPLOYED_SELECTION)) as sidecar:
         yield sidecar
 
 
 @pytest.fixture(scope="session")
 def lane_stock_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
-    with run_sidecar(sidecar_config(lane_set, decode={"url": lane_set.url("coupled")})) as sidecar:
+    with run_sidecar(sidecar_config(lane_set, decode={"url": lane_set.url("coupled")}, **DEPLOYED_SELECTION)) as sidecar:
         yield sidecar
 
 
