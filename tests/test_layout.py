@@ -46,6 +46,18 @@ def test_top_level_folders_are_not_packages():
     assert Path(operator.__file__).parent != ROOT / "operator"
 
 
+MAX_MODULE_LINES = 300  # small modules: one fact each (docs/development.md)
+MAX_README_LINES = 150  # the README is for users; development notes go in docs/
+
+
+def test_modules_and_readme_stay_small():
+    packages = [ROOT / f / f"disagg_{f}" for f in ("operator", "sidecar", "engine", "cli")]
+    long = {str(p.relative_to(ROOT)): n for pkg in packages for p in pkg.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+    assert len((ROOT / "README.md").read_text().splitlines()) <= MAX_README_LINES
+
+
 def test_cli_lists_and_rejects_commands():
     help_ = subprocess.run([sys.executable, "-m", "disagg_cli.main", "--help"], capture_output=True, text=True)
     assert help_.returncode == 0
