@@ -1,6 +1,8 @@
 """Part 2, derender cost vs output length: one forced reasoning + tool-call answer of n tokens,
-streamed through coupled vLLM, the sidecar with inline derender (decode runs the extension) and
-the sidecar chained to the derender tier (stock decode) with and without coalescing.
+streamed through coupled vLLM, the sidecar with inline derender (decode runs the extension), the
+sidecar chained to the derender tier's stateless endpoint (stock decode) with and without
+coalescing, and the sidecar chained through a derender session on the render tier (stock decode;
+the render server runs the extension).
 
 Per path and n: CPU of every non-engine process (vLLM API servers by pid, the sidecar, render),
 bytes and calls between the sidecar and the render/derender tier (a counting pass-through), the
@@ -9,18 +11,20 @@ same round. The paths run alternately within each round."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from benchmarks.client import run_load
 from benchmarks.outputs import agent_chat, reasoning_tool_call_ids
 from benchmarks.procs import CpuMeter
-from benchmarks.stack import max_output_tokens, recording_proxy, sidecar, sidecar_config, traffic
+from benchmarks.stack import counting_proxy, max_output_tokens, sidecar, sidecar_config, traffic
+from disagg_engine.sessions import CHAT_SESSION_PATH
 from benchmarks.stats import paired_ratios, summary
 from tests.harness.openai_views import chat_stream_view
 
 LENGTHS = (64, 256, 1024, 4096, 8192)
-PATHS = ("coupled", "inline", "chained", "chained_nocoalesce")
-DERENDER = "/v1/chat/completions/derender"
+PATHS = ("coupled", "inline", "chained", "chained_nocoalesce", "session")
+DERENDER = ("/v1/chat/completions/derender", CHAT_SESSION_PATH)  # stateless calls, sessions
 LOCAL_PREFILL = {"mode": "local", "discovery": None}
 # One derender call per token is slow (~10 ms of render CPU each here, more as n grows): longer
 # answers take minutes per request on 2 cores. The coalescing paths run at every n.
@@ -35,22 +39,27 @@ def run(ctx) -> dict[str, Any]:
     pid = {role: sset.servers[role].pid for role in ("render", "decode", "coupled")}
     rows: dict[str, dict[int, list[dict[str, float]]]] = {p: {n: [] for n in lengths} for p in PATHS}
     mismatches: list[str] = []
-    with recording_proxy(sset.url("render")) as tier_proxy:
+    with counting_proxy(sset.url("render")) as tier_proxy:
         tier = {"render": {"url": tier_proxy.url}, "derender": {"url": tier_proxy.url}, "prefill": LOCAL_PREFILL}
         stock = {"decode": {"url": sset.url("coupled")}}  # coupled is also a stock --enable-scale-out engine
+        stateless = {"derender_sessions": False}  # the render server offers sessions; these paths do not ask
         configs = {
             "inline": sidecar_config(sset, **tier),
-            "chained": sidecar_config(sset, **tier, **stock),
-            "chained_nocoalesce": sidecar_config(sset, **tier, **stock, limits={"coalesce": False}),
+            "chained": sidecar_config(sset, **tier, **stock, engine=stateless),
+            "chained_nocoalesce": sidecar_config(sset, **tier, **stock, engine=stateless, limits={"coalesce": False}),
+            "session": sidecar_config(sset, **tier, **stock, engine={"derender_sessions": True}),
         }
         with sidecar(configs["inline"]) as s_inline, sidecar(configs["chained"]) as s_chained, \
-                sidecar(configs["chained_nocoalesce"]) as s_nocoal:
-            side = {"inline": s_inline, "chained": s_chained, "chained_nocoalesce": s_nocoal}
+                sidecar(configs["chained_nocoalesce"]) as s_nocoal, sidecar(configs["session"]) as s_session:
+            side = {"inline": s_inline, "chained": s_chained, "chained_nocoalesce": s_nocoal, "session": s_session}
             target = {"coupled": (sset.url("coupled"), {"api": pid["coupled"]})}
             for name, proc in side.items():
                 api = pid["decode"] if name == "inline" else pid["coupled"]
                 target[name] = (proc.url, {"api": api, "sidecar": proc.proc.pid, "render": pid["render"]})
-            bodies = {n: agent_chat(reasoning_tool_call_ids(n, tok)) for n in lengths}
+            forced = {n: reasoning_tool_call_ids(n, tok) for n in lengths}
+            bodies = {n: agent_chat(ids) for n, ids in forced.items()}
+            # The session goal's floor: the generated token ids' JSON plus the client's request once.
+            floor = {n: len(json.dumps(forced[n])) + len(json.dumps(bodies[n])) for n in lengths}
             for name, (url, _) in target.items():  # warm-up: connections, caches, the first parse
                 run_load(url + "/v1/chat/completions", [agent_chat(reasoning_tool_call_ids(64, tok))])
             for r in range(rounds):
@@ -73,17 +82,21 @@ def run(ctx) -> dict[str, Any]:
                             want = view
                         elif view != want:
                             mismatches.append(f"round {r} n={n} {name}")
+                        derender = [p for p in DERENDER if p in moved["calls"]]
                         rows[name][n].append({
                             "wall_s": s.latency, "chunks": s.chunks, "max_gap_s": max(s.gaps, default=0.0),
                             "cpu_total_s": sum(cpu.values()), **{f"cpu_{k}_s": v for k, v in cpu.items()},
-                            "derender_calls": moved["calls"].get(DERENDER, 0),
-                            "bytes_to_derender": moved["bytes_out"].get(DERENDER, 0),
-                            "bytes_from_derender": moved["bytes_in"].get(DERENDER, 0),
+                            "derender_calls": sum(moved["calls"][p] for p in derender),
+                            "bytes_to_derender": sum(moved["bytes_out"][p] for p in derender),
+                            "bytes_from_derender": sum(moved["bytes_in"][p] for p in derender),
                             "bytes_render_leg": sum(moved["bytes_out"].values()) + sum(moved["bytes_in"].values())
-                            - moved["bytes_out"].get(DERENDER, 0) - moved["bytes_in"].get(DERENDER, 0),
+                            - sum(moved["bytes_out"][p] + moved["bytes_in"][p] for p in derender),
+                            "bytes_floor": floor[n],
                         })
+                        if name == "session" and moved["calls"].get(CHAT_SESSION_PATH) != 1:
+                            mismatches.append(f"round {r} n={n} session: {moved['calls']} (not one session)")
                         ctx.log(f"derender r{r} n={n} {name}: wall {s.latency:.2f}s chunks {s.chunks} "
-                                f"cpu {sum(cpu.values()):.2f}s calls {moved['calls'].get(DERENDER, 0)}")
+                                f"cpu {sum(cpu.values()):.2f}s calls {moved['calls']}")
     return summarise(rows, lengths, mismatches)
 
 
@@ -137,5 +150,9 @@ def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[
     keys[f"chained_bytes_per_token_{n}"] = med("chained", "bytes_to_derender") / n
     keys["chained_bytes_per_token_growth"] = bytes_growth(table.get("chained", {}))
     keys["chained_nocoalesce_bytes_per_call_growth"] = per_call_growth(table.get("chained_nocoalesce", {}))
+    keys[f"session_cpu_ratio_{n}"] = med("session", "cpu_ratio")
+    keys[f"session_client_chunks_ratio_{n}"] = med("session", "chunks_ratio")
+    keys[f"session_bytes_ratio_{n}"] = med("session", "bytes_to_derender") / med("session", "bytes_floor")
+    keys["session_bytes_per_token_growth"] = bytes_growth(table.get("session", {}))
     return {"keys": keys, "lengths": lengths, "nocoalesce_max": NOCOALESCE_MAX, "table": table, "mismatches": mismatches,
             "outputs_equal_coupled": not mismatches}

@@ -101,7 +101,9 @@ def _proxy(r: dict[str, Any]) -> list[str]:
 
 def _derender(r: dict[str, Any]) -> list[str]:
     lines = ["Medians (min-max) per request; CPU = vLLM API process(es) + sidecar + render, engines excluded; "
-             "ratios per round against coupled's API CPU and chunks.", "",
+             "ratios per round against coupled's API CPU and chunks. chained: the stateless "
+             "`/v1/chat/completions/derender` (calls = its calls); session: one derender session per stream "
+             "(calls = 1; bytes → = the lines the sidecar writes into it, bytes ← = the events it answers).", "",
              "| path | n | wall s | client chunks | max gap s | CPU s | CPU ÷ coupled | chunks ÷ coupled | derender calls | "
              "bytes → derender | bytes ← derender | bytes/token → |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, by_n in r["table"].items():

@@ -1,25 +1,29 @@
 """The system under test: the harness's real vLLM CPU servers (started here, or attached with
 ``DISAGG_ATTACH_SERVERS``), ``disagg sidecar`` processes in front of them, and what passes
-between a sidecar and its render/derender tier (the tests' recording pass-through)."""
+between a sidecar and its render/derender tier (a counting pass-through that streams both ways,
+so a derender session's body reaches the render server chunk by chunk as the sidecar writes it)."""
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import aiohttp
+from aiohttp import web
 
 from disagg_engine.servers import ServerSpec, free_port, start_all
 from disagg_engine.testing.server_set import ENGINE_ENV, ROLE_ENV, ROLES, ServerSet, role_argv
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.harness.engine import _attached_set
-from tests.sidecar.support import Recorded, SidecarProcess, recording_proxy, sidecar_config, sidecar_process
+from tests.sidecar.support import LoopThread, SidecarProcess, sidecar_config, sidecar_process
 
-__all__ = ["recording_proxy", "server_set", "sidecar", "sidecar_config", "traffic"]
+__all__ = ["counting_proxy", "server_set", "sidecar", "sidecar_config", "traffic"]
 
 
 # The harness's 8,192 leaves no room for an 8,192-token answer after its prompt.
@@ -63,13 +67,71 @@ def sidecar(config: dict[str, Any]) -> Iterator[SidecarProcess]:
             yield proc
 
 
-def traffic(calls: list[Recorded]) -> dict[str, dict[str, int]]:
-    """Calls and bytes by path through a ``recording_proxy``: ``bytes_out`` sidecar -> tier
-    (request bodies, by their Content-Length), ``bytes_in`` tier -> sidecar (response bodies)."""
+@dataclass
+class Call:
+    path: str
+    bytes_out: int = 0  # sidecar -> tier (the request body)
+    bytes_in: int = 0  # tier -> sidecar (the response body)
+
+
+@dataclass
+class CountingProxy:
+    url: str = ""
+    calls: list[Call] = field(default_factory=list)
+
+
+@contextmanager
+def counting_proxy(target: str) -> Iterator[CountingProxy]:
+    """A pass-through to ``target`` that streams request and response bodies as they come (a
+    session's request body lasts as long as its answer) and counts their bytes per call."""
+    proxy, lt, port = CountingProxy(), LoopThread(), free_port()
+
+    async def start() -> tuple[web.AppRunner, aiohttp.ClientSession]:
+        client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            proxy.calls.append(call := Call(request.path))
+
+            async def body() -> AsyncIterator[bytes]:
+                async for chunk in request.content.iter_any():
+                    call.bytes_out += len(chunk)
+                    yield chunk
+
+            headers = {k: v for k, v in request.headers.items()
+                       if k.lower() not in ("host", "content-length", "transfer-encoding")}
+            data = body() if request.can_read_body else None
+            async with client.request(request.method, target + request.path_qs, data=data, headers=headers) as resp:
+                out = web.StreamResponse(status=resp.status, headers={
+                    "Content-Type": resp.headers.get("Content-Type", "application/json")})
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    call.bytes_in += len(chunk)
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner, client
+
+    runner, client = lt.run(start())
+    proxy.url = f"http://127.0.0.1:{port}"
+    try:
+        yield proxy
+    finally:
+        lt.run(runner.cleanup())
+        lt.run(client.close())
+        lt.close()
+
+
+def traffic(calls: list[Call]) -> dict[str, dict[str, int]]:
+    """Calls and bytes by path through a ``counting_proxy``."""
     out: dict[str, dict[str, int]] = {"calls": defaultdict(int), "bytes_out": defaultdict(int), "bytes_in": defaultdict(int)}
     for call in calls:
-        length = next((v for k, v in call.headers.items() if k.lower() == "content-length"), None)
         out["calls"][call.path] += 1
-        out["bytes_out"][call.path] += int(length) if length is not None else len(json.dumps(call.body).encode())
-        out["bytes_in"][call.path] += len(call.response)
+        out["bytes_out"][call.path] += call.bytes_out
+        out["bytes_in"][call.path] += call.bytes_in
     return {k: dict(v) for k, v in out.items()}
