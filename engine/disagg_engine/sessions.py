@@ -9,9 +9,11 @@ session to the process that accepted it; nothing is keyed or looked up):
   ``sampling_params``, ``stream_options``) with ``chat_request``: the client's chat request, the
   body an inline ``output_mode="derender"`` decode leg gets. Refused with an OpenAI-style error
   (400 malformed, 503 over the per-process cap) before the answer starts;
-- every further line: one chunk of the decode engine's ``/inference/v1/generate`` stream in
-  ``tokens`` mode (one choice, or usage only), as it arrived; several merged into one line are
-  fine (``streaming.merge_chunks`` on the sidecar);
+- every further line: one choice's tokens from the decode engine's ``/inference/v1/generate``
+  stream in ``tokens`` mode, as they arrived, either as that stream's chunk (one choice, or usage
+  only) or as a row ``[index, token_ids, finish_reason, stop_reason, logprobs]`` with trailing
+  nulls left out (the sidecar's form: a token costs a few bytes, not the chunk's ~250); several
+  chunks merged into one line are fine (``streaming.merge_chunks`` on the sidecar);
 - end of the body: the stream is over.
 
 The answer is ``text/event-stream``: exactly the events the inline derender (``serving.py``)
@@ -64,6 +66,19 @@ CHAT_SESSION_PATH = "/disagg/v1/derender/sessions/chat"
 MAX_LINE_BYTES = 32 * 1024 * 1024  # the open line carries the client's whole chat request
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _INDEX = re.compile(r',"choices":\[\{"index":(\d+)')
+
+
+ROW_FIELDS = ("index", "token_ids", "finish_reason", "stop_reason", "logprobs")
+
+
+def line_chunk(line: Any) -> dict[str, Any]:
+    """A session line (a generate chunk, or a row of ``ROW_FIELDS``) as a generate chunk."""
+    if isinstance(line, dict):
+        return line
+    if isinstance(line, list) and 2 <= len(line) <= len(ROW_FIELDS) and type(line[0]) is int \
+            and isinstance(line[1], list):
+        return {"choices": [dict(zip(ROW_FIELDS, line))]}
+    raise ValueError(f"a session line is a generate chunk or a row {list(ROW_FIELDS)}, not {str(line)[:100]}")
 
 
 class SessionError(Exception):
@@ -176,7 +191,7 @@ class Session:
 
     async def outputs(self, lines: AsyncIterator[bytes]) -> AsyncIterator[Any]:
         async for line in lines:
-            out = self.feed(json.loads(line))
+            out = self.feed(line_chunk(json.loads(line)))
             if out is not None:
                 yield out
 

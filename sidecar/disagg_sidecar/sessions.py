@@ -63,6 +63,17 @@ def open_line(stream_call: chained.ChatStream, request_id: str) -> bytes:
     return streaming.dumps(body) + b"\n"
 
 
+def session_row(chunk: dict[str, Any]) -> list[Any]:
+    """A one-choice generate chunk as the session's compact line (``disagg_engine.sessions``):
+    ``[index, token_ids, finish_reason, stop_reason, logprobs]`` without trailing nulls."""
+    [choice] = chunk["choices"]
+    row = [choice.get("index", 0), choice.get("token_ids") or [], choice.get("finish_reason"),
+           choice.get("stop_reason"), choice.get("logprobs")]
+    while len(row) > 2 and row[-1] is None:
+        row.pop()
+    return row
+
+
 def without_role(chunk: dict[str, Any], started: set[int]) -> dict[str, Any]:
     """A stateless chunk for choices whose role chunk the client already got: no second role."""
     for c in chunk.get("choices") or []:
@@ -179,7 +190,7 @@ class SessionDerender:
             if run and (chunk is None or streaming.choice_index(chunk) != streaming.choice_index(run[0])):
                 merged = streaming.merge_chunks(run)
                 self._lines.setdefault(streaming.choice_index(merged) or 0, []).append(merged)
-                out.append(streaming.dumps(merged) + b"\n")
+                out.append(streaming.dumps(session_row(merged)) + b"\n")
                 run = []
             if chunk is not None:
                 run.append(chunk)

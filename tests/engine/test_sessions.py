@@ -17,6 +17,7 @@ from disagg_engine.sessions import (
     CHAT_SESSION_PATH,
     Sessions,
     engine_outputs,
+    line_chunk,
     logprob_row,
     split_lines,
     tagged,
@@ -91,6 +92,19 @@ def test_idle_session_ends_with_an_error():
             await anext(lines)
 
     asyncio.run(run())
+
+
+def test_session_lines_are_chunks_or_the_sidecars_rows():
+    from disagg_sidecar.sessions import session_row
+
+    chunk = {"request_id": "x", "choices": [{"index": 1, "token_ids": [5], "finish_reason": "stop", "stop_reason": 7,
+                                             "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}]}}]}
+    assert line_chunk(chunk) is chunk
+    assert line_chunk(session_row(chunk)) == {"choices": chunk["choices"]}
+    assert line_chunk([0, [5]]) == {"choices": [{"index": 0, "token_ids": [5]}]}
+    for bad in ([], [0], [True, [5]], ["0", [5]], [0, 5], [0, [5], None, None, None, "extra"], "row", 3):
+        with pytest.raises(ValueError, match="a session line is"):
+            line_chunk(bad)
 
 
 # -- a real render server ----------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from disagg_sidecar import chained, legs
-from disagg_sidecar.sessions import open_line, session_path, without_role
+from disagg_sidecar.sessions import open_line, session_path, session_row, without_role
 
 
 def test_session_path_only_from_a_render_that_offers_it():
@@ -39,3 +39,14 @@ def test_without_role_only_for_choices_the_client_already_started():
     out = without_role(chunk, {1})
     assert out["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
     assert out["choices"][1]["delta"] == {"content": "b"}
+
+
+def test_a_session_line_carries_the_choice_and_not_the_chunk_around_it():
+    lp = {"content": [{"token_id": 5, "logprob": -0.5}]}
+    chunk = {"request_id": "req-1", "prompt_token_ids": None, "kv_transfer_params": None,
+             "choices": [{"index": 1, "token_ids": [5, 6], "finish_reason": None, "logprobs": None}]}
+    assert session_row(chunk) == [1, [5, 6]]
+    chunk["choices"][0].update(finish_reason="stop", stop_reason=7, logprobs=lp)
+    assert session_row(chunk) == [1, [5, 6], "stop", 7, lp]
+    chunk["choices"][0].update(stop_reason=None, logprobs=None)
+    assert session_row(chunk) == [1, [5, 6], "stop"]  # a null between kept values stays
