@@ -104,10 +104,13 @@ def counting_proxy(target: str) -> Iterator[CountingProxy]:
                 out = web.StreamResponse(status=resp.status, headers={
                     "Content-Type": resp.headers.get("Content-Type", "application/json")})
                 await out.prepare(request)
-                async for chunk in resp.content.iter_any():
-                    call.bytes_in += len(chunk)
-                    await out.write(chunk)
-                await out.write_eof()
+                try:
+                    async for chunk in resp.content.iter_any():
+                        call.bytes_in += len(chunk)
+                        await out.write(chunk)
+                    await out.write_eof()
+                except ConnectionResetError:  # the sidecar hung up after the answer's [DONE]
+                    pass
                 return out
 
         app = web.Application(client_max_size=64 * 1024 * 1024)
