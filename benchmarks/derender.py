@@ -18,8 +18,8 @@ from benchmarks.client import run_load
 from benchmarks.outputs import agent_chat, reasoning_tool_call_ids
 from benchmarks.procs import CpuMeter
 from benchmarks.stack import counting_proxy, max_output_tokens, sidecar, sidecar_config, traffic
-from disagg_engine.sessions import CHAT_SESSION_PATH
 from benchmarks.stats import paired_ratios, summary
+from disagg_engine.sessions import CHAT_SESSION_PATH
 from tests.harness.openai_views import chat_stream_view
 
 LENGTHS = (64, 256, 1024, 4096, 8192)
