@@ -34,12 +34,12 @@ class DisaggEndpointPlugin:
         state.disagg_serving_tokens = None
         base = getattr(state, "serving_tokens", None)
         if engine_client is None and getattr(state, "online_renderer", None) is not None:
-            from disagg_engine.vllm_compat import DERENDER_SESSIONS, render_tier_chat
+            from disagg_engine.vllm_compat import DERENDER_SESSIONS, render_tier_chat, render_tier_completion
 
             if DERENDER_SESSIONS:
                 from disagg_engine.sessions import Sessions
 
-                state.disagg_sessions = Sessions(render_tier_chat(state, args))
+                state.disagg_sessions = Sessions(render_tier_chat(state, args), render_tier_completion(state, args))
                 state.disagg_capabilities = render_capabilities(state.disagg_sessions, args)
             return
         if engine_client is None or base is None:

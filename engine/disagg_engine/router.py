@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from disagg_engine.capabilities import ABORT_PATH
 from disagg_engine.protocol import DisaggGenerateRequest
-from disagg_engine.sessions import CHAT_SESSION_PATH, DuplexResponse, SessionError
+from disagg_engine.sessions import CHAT_SESSION_PATH, COMPLETIONS_SESSION_PATH, DuplexResponse, SessionApi, SessionError
 from disagg_engine.vllm_compat import (
     ErrorResponse,
     GenerateResponseBase,
@@ -65,13 +65,22 @@ async def get_capabilities(raw_request: Request):
 
 
 @router.post(CHAT_SESSION_PATH)
-async def derender_session(raw_request: Request):
+async def chat_session(raw_request: Request):
+    return await _session(raw_request, "chat")
+
+
+@router.post(COMPLETIONS_SESSION_PATH)
+async def completions_session(raw_request: Request):
+    return await _session(raw_request, "completions")
+
+
+async def _session(raw_request: Request, api: SessionApi):
     sessions = getattr(raw_request.app.state, "disagg_sessions", None)
     if sessions is None:
         return _error(HTTPStatus.NOT_FOUND, "derender sessions run on a render server (launch render) with the "
                                             "disagg extension")
     try:
-        request, lines = await sessions.open(raw_request.stream())
+        request, lines = await sessions.open(raw_request.stream(), api)
     except SessionError as exc:
         return _error(HTTPStatus(exc.status), str(exc))
     return DuplexResponse(sessions.stream(request, lines), media_type="text/event-stream")

@@ -1,14 +1,15 @@
 """Derender sessions on the render tier: one stream's parser state on one render
 process for the stream's life, fed the decode engine's token chunks as they arrive.
 
-Wire shape: ``POST /disagg/v1/derender/sessions/chat`` with a streamed body of JSON lines
-(``application/x-ndjson``), answered while it is still being sent (one HTTP exchange pins the
-session to the process that accepted it; nothing is keyed or looked up):
+Wire shape: ``POST /disagg/v1/derender/sessions/chat`` (or ``.../completions``) with a streamed
+body of JSON lines (``application/x-ndjson``), answered while it is still being sent (one HTTP
+exchange pins the session to the process that accepted it; nothing is keyed or looked up):
 
 - line 1, the open: the decode leg's ``GenerateRequest`` for the stream (``token_ids``,
   ``sampling_params``, ``stream_options``) with ``chat_request``: the client's chat request, the
-  body an inline ``output_mode="derender"`` decode leg gets. Refused with an OpenAI-style error
-  (400 malformed, 503 over the per-process cap) before the answer starts;
+  body an inline ``output_mode="derender"`` decode leg gets (completions: ``completion_request``,
+  the client's completions request for this one prompt; its text is not read). Refused with an
+  OpenAI-style error (400 malformed, 503 over the per-process cap) before the answer starts;
 - every further line: one choice's tokens from the decode engine's ``/inference/v1/generate``
   stream in ``tokens`` mode, as they arrived, either as that stream's chunk (one choice, or usage
   only) or as a row ``[index, token_ids, finish_reason, stop_reason, logprobs]`` with trailing
@@ -17,12 +18,13 @@ session to the process that accepted it; nothing is keyed or looked up):
 - end of the body: the stream is over.
 
 The answer is ``text/event-stream``: exactly the events the inline derender (``serving.py``)
-sends for those tokens, each with ``fed``: how many lines of its choice the session had consumed
-when it was made (a client that loses the session resumes the stateless way from there), then
-``[DONE]``. The events come from vLLM's own code: the engine's output processor (incremental
-detokenizer with the request's stop strings, logprob tokens, n > 1 fan-out) turns the chunks
-into ``RequestOutput``s, and ``OpenAIServingChat.chat_completion_stream_generator`` turns those
-into deltas, as in the coupled server.
+sends for those tokens (completions: the ``text_completion`` chunks a coupled server sends), each
+with ``fed``: how many lines of its choice the session had consumed when it was made (a client
+that loses the session resumes the stateless way from there), then ``[DONE]``. The events come
+from vLLM's own code: the engine's output processor (incremental detokenizer with the request's
+stop strings, logprob tokens, n > 1 fan-out) turns the chunks into ``RequestOutput``s, and
+``OpenAIServingChat.chat_completion_stream_generator`` (``OpenAIServingCompletion.
+completion_stream_generator``) turns those into deltas, as in the coupled server.
 
 A session ends with its body, when the client disconnects, after ``DISAGG_SESSION_IDLE_SECONDS``
 without a line (an error event), and at most ``DISAGG_MAX_SESSIONS`` run per process. Memory per
@@ -37,9 +39,10 @@ import asyncio
 import json
 import os
 import re
+import time
 from collections.abc import AsyncIterator
 from copy import copy
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
@@ -48,10 +51,12 @@ from starlette.responses import StreamingResponse
 from disagg_engine.protocol import DisaggGenerateRequest
 from disagg_engine.shapes import derender_stream_event
 from disagg_engine.vllm_compat import (
+    CompletionRequest,
     EngineCoreOutput,
     FinishReason,
     LogprobsLists,
     OpenAIServingChat,
+    OpenAIServingCompletion,
     OutputProcessor,
     ParentRequest,
     RequestOutputCollector,
@@ -63,6 +68,8 @@ from disagg_engine.vllm_compat import (
 )
 
 CHAT_SESSION_PATH = "/disagg/v1/derender/sessions/chat"
+COMPLETIONS_SESSION_PATH = "/disagg/v1/derender/sessions/completions"
+SessionApi = Literal["chat", "completions"]
 MAX_LINE_BYTES = 32 * 1024 * 1024  # the open line carries the client's whole chat request
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _INDEX = re.compile(r',"choices":\[\{"index":(\d+)')
@@ -79,6 +86,12 @@ def line_chunk(line: Any) -> dict[str, Any]:
             and isinstance(line[1], list):
         return {"choices": [dict(zip(ROW_FIELDS, line))]}
     raise ValueError(f"a session line is a generate chunk or a row {list(ROW_FIELDS)}, not {str(line)[:100]}")
+
+
+class SessionRequest(DisaggGenerateRequest):
+    """The open line: the decode leg's request with the client's chat or completions request."""
+
+    completion_request: CompletionRequest | None = None
 
 
 class SessionError(Exception):
@@ -151,7 +164,7 @@ def tagged(payload: str, fed: list[int]) -> str:
 class Session:
     """The decode engine's request replayed through vLLM's output processor, one chunk at a time."""
 
-    def __init__(self, request: DisaggGenerateRequest, tokenizer: Any):
+    def __init__(self, request: DisaggGenerateRequest, tokenizer: Any, prompt: str | None = None):
         params = request.sampling_params.clone()
         params.output_kind = RequestOutputKind.DELTA
         params.detokenize = True
@@ -162,7 +175,7 @@ class Session:
         self.fed = [0] * params.n
         if params.n == 1:
             self.ids = [self.request_id]
-            self.processor.add_request(parent, None, None, 0, self.queue)
+            self.processor.add_request(parent, prompt, None, 0, self.queue)
             return
         fan_out = ParentRequest(parent)  # as AsyncLLM.add_request fans out n > 1
         self.ids = []
@@ -171,7 +184,7 @@ class Session:
             child = copy(parent)
             child.request_id, child.sampling_params = child_id, child_params
             self.ids.append(child_id)
-            self.processor.add_request(child, None, fan_out, index, self.queue)
+            self.processor.add_request(child, prompt, fan_out, index, self.queue)
 
     def feed(self, chunk: dict[str, Any]) -> Any:
         """Process one generate chunk; the ``RequestOutput`` it makes (None if nothing)."""
@@ -201,18 +214,19 @@ class Session:
 class Sessions:
     """The sessions of one render process."""
 
-    def __init__(self, chat: OpenAIServingChat, max_sessions: int | None = None, idle_seconds: float | None = None):
-        self.chat = chat
+    def __init__(self, chat: OpenAIServingChat, completion: OpenAIServingCompletion, max_sessions: int | None = None,
+                 idle_seconds: float | None = None):
+        self.chat, self.completion = chat, completion
         self.tokenizer = chat.renderer.tokenizer
         self.max_sessions = max_sessions or int(os.environ.get("DISAGG_MAX_SESSIONS", "1024"))
         self.idle_seconds = idle_seconds or float(os.environ.get("DISAGG_SESSION_IDLE_SECONDS", "60"))
         self.live = 0
 
     def capability(self) -> dict[str, Any]:
-        return {"chat_path": CHAT_SESSION_PATH, "max_sessions": self.max_sessions,
-                "idle_timeout_seconds": self.idle_seconds}
+        return {"chat_path": CHAT_SESSION_PATH, "completions_path": COMPLETIONS_SESSION_PATH,
+                "max_sessions": self.max_sessions, "idle_timeout_seconds": self.idle_seconds}
 
-    async def open(self, body: AsyncIterator[bytes]) -> tuple[DisaggGenerateRequest, AsyncIterator[bytes]]:
+    async def open(self, body: AsyncIterator[bytes], api: SessionApi) -> tuple[SessionRequest, AsyncIterator[bytes]]:
         """Read and check the open line; the request and the rest of the lines."""
         lines = self._lines(body)
         try:
@@ -220,19 +234,30 @@ class Sessions:
         except StopAsyncIteration:
             raise SessionError(400, "empty session body: the first line must be the stream's request") from None
         try:
-            request = DisaggGenerateRequest.model_validate_json(first)
+            request = SessionRequest.model_validate_json(first)
         except ValidationError as exc:
             raise SessionError(400, f"invalid session request: {exc.errors(include_url=False)}") from exc
-        if request.chat_request is None:
+        if api == "chat" and request.chat_request is None:
             raise SessionError(400, "a chat derender session needs chat_request (the client's chat request)")
+        if api == "completions" and (request.completion_request is None or request.chat_request is not None):
+            raise SessionError(400, "a completions derender session needs completion_request (the client's "
+                                    "completions request) and no chat_request")
         if self.live >= self.max_sessions:
             raise SessionError(503, f"this render process runs its maximum of {self.max_sessions} derender "
                                     "sessions; use the stateless derender endpoint")
         return request, lines
 
-    async def stream(self, request: DisaggGenerateRequest, lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    async def stream(self, request: SessionRequest, lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
         self.live += 1
         try:
+            if request.completion_request is not None:
+                session = Session(request, self.tokenizer, prompt="")  # the text is not read (no echo)
+                events = self.completion.completion_stream_generator(
+                    request.completion_request, [], _first_prompt(session.outputs(lines)), request.request_id,
+                    int(time.time()), "", 1, self.tokenizer, RequestResponseMetadata(request_id=request.request_id))
+                async for event in events:
+                    yield tagged(event[6:].strip(), session.fed) if event.startswith("data: {") else event
+                return
             session = Session(request, self.tokenizer)
             ctx = request.model_copy(update={"output_mode": "derender", "stream": True}).chat_context()
             chat = chat_with_history(self.chat, request.history_tool_calls())
@@ -266,6 +291,12 @@ class Sessions:
                 yield line
         if buffer.strip():
             yield buffer
+
+
+async def _first_prompt(outputs: AsyncIterator[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """A session's outputs as the completions generator takes them: (prompt index, output)."""
+    async for out in outputs:
+        yield 0, out
 
 
 class DuplexResponse(StreamingResponse):

@@ -20,6 +20,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (  # noqa: F401
     DeltaMessage,
 )
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat  # noqa: F401
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest  # noqa: F401
 from vllm.entrypoints.scale_out.token_in_token_out import protocol as _tito_protocol
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (  # noqa: F401
     GenerateRequest,
@@ -94,10 +95,10 @@ def configured_parsers(args) -> dict[str, str | None]:
 # (its `OnlineDerenderer`), refuses `derender` with `stream=true` before any generator runs, and
 # passes `derender_request=` to `serve_tokens_full_generator`. 0.32 has none of this.
 NATIVE_DERENDER: bool = hasattr(_tito_protocol, "ParseContext")
-# Derender sessions (disagg_engine.sessions) are built from vLLM 0.32's chat serving and output
-# processing internals and tested there; elsewhere the render tier offers none, and the sidecar
-# keeps the stateless streaming derender.
-DERENDER_SESSIONS: bool = vllm_version().startswith("0.32.")
+# Derender sessions (disagg_engine.sessions) are built from vLLM's chat serving and output
+# processing internals, tested on 0.32 and 0.33; elsewhere the render tier offers none, and the
+# sidecar keeps the stateless streaming derender.
+DERENDER_SESSIONS: bool = vllm_version().startswith(("0.32.", "0.33."))
 
 
 class _ParseContext032(BaseModel):
@@ -147,6 +148,7 @@ def empty_chat_request() -> ChatCompletionRequest:
 # engine's own output path (OutputProcessor: incremental detokenizer, stop strings, logprobs,
 # n > 1 fan-out) turns the decode engine's token chunks into RequestOutputs, as AsyncLLM does.
 from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata  # noqa: E402,F401
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion  # noqa: E402,F401
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402,F401
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason  # noqa: E402,F401
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector  # noqa: E402,F401
@@ -169,8 +171,12 @@ class _RenderEngine:
 def render_tier_chat(state, args) -> OpenAIServingChat:
     """vLLM's chat serving object on a ``launch render`` server, configured from the same flags
     as the API server's (``vllm.entrypoints.generate.api_router``)."""
-    from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
     from vllm.renderers.chat_utils import load_chat_template
+
+    try:  # 0.33 moved it
+        from vllm.entrypoints.common.cli_args import resolve_default_chat_template_kwargs
+    except ImportError:
+        from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
 
     vllm_config = state.vllm_config
     return OpenAIServingChat(
@@ -185,6 +191,17 @@ def render_tier_chat(state, args) -> OpenAIServingChat:
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         tool_parser=args.tool_call_parser, tool_strict_level=args.tool_strict_level,
         reasoning_parser=args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser or "",
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+    )
+
+
+def render_tier_completion(state, args) -> OpenAIServingCompletion:
+    """vLLM's completions serving object on a ``launch render`` server (as ``render_tier_chat``)."""
+    return OpenAIServingCompletion(
+        _RenderEngine(state.vllm_config, state.online_renderer.renderer), state.openai_serving_models,
+        online_renderer=state.online_renderer, request_logger=None,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage,
     )

@@ -161,7 +161,7 @@ def status_schema() -> dict[str, Any]:
                 "properties": {"strategy": {
                     "type": "string", "enum": list(get_args(Strategy)),
                     "description": "inline: decode derenders its own stream (engine.extension); session: the "
-                    "render tier keeps each chat stream's parser state (engine.renderExtension, vLLM 0.32); "
+                    "render tier keeps each stream's parser state (engine.renderExtension, vLLM 0.32, 0.33); "
                     "stateless: each chunk is derendered with the state the sidecar carries.",
                 }},
             },

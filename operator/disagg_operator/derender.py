@@ -2,8 +2,8 @@
 
 - ``inline``: decode runs the engine extension (``engine.extension``) and derenders its own stream;
 - ``session``: a stock decode, and the render tier runs the engine extension
-  (``engine.renderExtension``) on a vLLM whose render tier keeps a chat stream's parser state in a
-  derender session (0.32; ``engine_args.derender_sessions``): one call per stream, nothing replayed;
+  (``engine.renderExtension``) on a vLLM whose render tier keeps a stream's parser state in a
+  derender session (0.32, 0.33; ``engine_args.derender_sessions``): one call per stream, nothing replayed;
 - ``stateless``: a stock decode and no sessions: every generate chunk goes to a ``/derender`` route
   (the render tier's, or decode's own without one) with the ``stream_state`` the sidecar carries.
 

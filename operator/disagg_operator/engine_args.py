@@ -208,9 +208,9 @@ def vllm_features(version: str) -> dict[str, bool]:
 
 
 def derender_sessions(version: str) -> bool:
-    """A render tier of this vLLM version with the engine extension runs derender sessions: 0.32 only
-    (engine/disagg_engine/vllm_compat.py ``DERENDER_SESSIONS`` decides the same from the running vLLM)."""
-    return parse_version(version)[:2] == (0, 32)
+    """A render tier of this vLLM version with the engine extension runs derender sessions: 0.32 and
+    0.33 (engine/disagg_engine/vllm_compat.py ``DERENDER_SESSIONS`` decides the same from the running vLLM)."""
+    return parse_version(version)[:2] in ((0, 32), (0, 33))
 
 
 def canonical_json(value: Any) -> str:

@@ -224,5 +224,6 @@ def build_app(config: SidecarConfig) -> web.Application:
     app.router.add_get(wire.MODELS, handlers.models)
     app.router.add_get(wire.HEALTH, handlers.health)
     app.router.add_get(wire.LIVE, handlers.live)
+    app.router.add_get(wire.DRAINED, handlers.drained)
     app.router.add_get(wire.METRICS, handlers.metrics)
     return app

@@ -19,7 +19,7 @@ from disagg_sidecar import wire
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.errors import SidecarError
 
-OPEN_PATHS = frozenset({wire.HEALTH, wire.LIVE, wire.METRICS})  # probes and scrapers carry no key
+OPEN_PATHS = frozenset({wire.HEALTH, wire.LIVE, wire.DRAINED, wire.METRICS})  # probes, hooks and scrapers carry no key
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

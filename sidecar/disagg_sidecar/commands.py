@@ -38,13 +38,14 @@ async def serve(config: SidecarConfig, stop: asyncio.Event) -> None:
     try:
         await stop.wait()
         state = app[STATE]
-        state.draining = True
+        state.start_draining()
         if (window := config.limits.deregister_seconds) > 0:
             log.info("readiness off; serving new connections for %.0fs while endpoints are removed", window)
             await asyncio.sleep(window)  # a fixed window, as kubelet's preStop sleep: nothing to wait for
         log.info("draining %d in-flight requests (up to %.0fs)", state.in_flight, config.limits.drain_seconds)
         if not await state.wait_idle(config.limits.drain_seconds):
             log.warning("drain deadline reached with %d requests in flight", state.in_flight)
+        state.drained.set()  # the engine's preStop hook returns: vLLM gets its SIGTERM
     finally:
         await runner.cleanup()
 

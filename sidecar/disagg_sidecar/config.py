@@ -235,7 +235,7 @@ class Engine(_Model):
     prefill_tokens_only: bool = True
     derender_sessions: bool = Field(
         True, description="The derender tier may run derender sessions (the engine extension on a render tier that "
-        "has them): a chained chat stream asks its endpoints (GET /disagg/v1/capabilities) and uses one that "
+        "has them): a chained chat or completions stream asks its endpoints (GET /disagg/v1/capabilities) and uses one that "
         "offers them. false: never asked, every chained stream is stateless.")
     features: EngineFeatures = Field(default_factory=EngineFeatures)
 

@@ -197,5 +197,24 @@ async def live(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
 
+SIGTERM_ALLOWANCE_SECONDS = 5.0  # kubelet signals the sidecar and runs the hook at about the same time
+
+
+async def drained(request: web.Request) -> web.Response:
+    """The decode engine's preStop hook (``GET /health/drained``, the operator's
+    ``objects/deployments.py``): answers once this sidecar is stopping and nothing it serves is in
+    flight, so kubelet signals vLLM only when no leg can reach it any more (at most the sidecar's
+    ``limits.stop_seconds``: it stops then). Asked while the sidecar is not stopping, it answers 409
+    after ``SIGTERM_ALLOWANCE_SECONDS`` (the hook's request may come before the sidecar's SIGTERM)."""
+    state = request.app[STATE]
+    try:
+        await asyncio.wait_for(state.stopping.wait(), SIGTERM_ALLOWANCE_SECONDS)
+    except asyncio.TimeoutError:
+        raise SidecarError(409, "this sidecar is not stopping: /health/drained is the decode engine's "
+                                "preStop hook") from None
+    await state.drained.wait()
+    return web.json_response({"status": "drained"})
+
+
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=await request.app[SCRAPE].render(), headers={"Content-Type": CONTENT_TYPE})

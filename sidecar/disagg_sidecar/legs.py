@@ -89,9 +89,14 @@ def client_decode_leg(body: Mapping[str, Any], kv_transfer_params: Mapping[str, 
 def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None, mode: wire.OutputMode,
                 context: wire.ContextForm | None, chat_raw: bytes | None) -> bytes:
     """The decode leg of an OpenAI request, serialised; with ``derender``, the parser context is
-    the client's request (spliced in as its own bytes) or render's ``parse_context``."""
+    the client's request (spliced in as its own bytes) or render's ``parse_context``. A ``tokens``
+    leg without stop strings is not detokenized: the derender tier makes the text, and the decode
+    engine's detokenizer would only cost its API process CPU per token (stop strings need it)."""
     slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
-    body = dumps(decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim))
+    leg = decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim)
+    if mode == "tokens" and not leg[wire.SAMPLING_PARAMS].get("stop"):
+        leg[wire.SAMPLING_PARAMS]["detokenize"] = False
+    body = dumps(leg)
     if mode == "derender" and context == "chat_request" and chat_raw is not None:
         body = with_raw_field(body, wire.CHAT_REQUEST, chat_raw)
     return body

@@ -2,9 +2,10 @@
 are ``disagg_engine.sessions``).
 
 A render endpoint that reports ``derender_sessions`` at ``GET /disagg/v1/capabilities`` keeps a
-chat stream's parser state for the stream's life: the sidecar opens one session per streamed
-prompt on one endpoint (one HTTP exchange, so it stays pinned), writes each generate chunk into
-its body as it arrives and relays the inline-derender events it answers with. Per call nothing
+chat or completions stream's parser and detokenizer state for the stream's life: the sidecar
+opens one session per streamed prompt on one endpoint (one HTTP exchange, so it stays pinned),
+writes each generate chunk into its body as it arrives and relays the events it answers with
+(chat: inline-derender events; completions: ``text_completion`` chunks). Per call nothing
 is replayed, so no coalescing is needed to bound the cost; chunks that arrive while the body's
 writer waits on the connection are still merged (back-pressure only).
 
@@ -27,7 +28,7 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -37,29 +38,40 @@ from disagg_sidecar.upstream import Upstream
 log = logging.getLogger(__name__)
 
 CAPABILITY_TTL_SECONDS = 30.0  # how long an endpoint's answer (sessions or not) is trusted
-_cache: weakref.WeakKeyDictionary[Upstream, dict[str, tuple[float, str | None]]] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Upstream, dict[str, tuple[float, Any]]] = weakref.WeakKeyDictionary()
 
 
 class SessionFailed(Exception):
     """The session cannot go on (refused, an error event, cut short)."""
 
 
-def session_path(capabilities: Any) -> str | None:
-    """The chat session path a render endpoint's capabilities offer, if any."""
+Api = Literal["chat", "completions"]
+SessionStream = chained.ChatStream | chained.CompletionStream
+
+
+def session_path(capabilities: Any, api: Api) -> str | None:
+    """The session path for ``api`` a render endpoint's capabilities offer, if any."""
     if not isinstance(capabilities, dict):
         return None
     sessions = capabilities.get("derender_sessions")
-    path = sessions.get("chat_path") if isinstance(sessions, dict) else None
+    path = sessions.get(f"{api}_path") if isinstance(sessions, dict) else None
     return path if isinstance(path, str) and path.startswith("/") else None
 
 
-def open_line(stream_call: chained.ChatStream, request_id: str) -> bytes:
-    """The session's first line: the decode leg's request with the parser context."""
+def api_of(stream_call: SessionStream) -> Api:
+    return "chat" if isinstance(stream_call, chained.ChatStream) else "completions"
+
+
+def open_line(stream_call: SessionStream, request_id: str) -> bytes:
+    """The session's first line: the decode leg's request with the client's (parser context)."""
     context = json.loads(stream_call.leg.context)
     opts = stream_call.opts
     body = {"request_id": request_id, "token_ids": opts.prompt_token_ids, "sampling_params": dict(opts.sampling),
-            "stream": True, "stream_options": context.get("stream_options"), "output_mode": "derender",
-            "chat_request": context}
+            "stream": True, "stream_options": context.get("stream_options")}
+    if api_of(stream_call) == "chat":
+        body.update(output_mode="derender", chat_request=context)
+    else:
+        body["completion_request"] = context
     return streaming.dumps(body) + b"\n"
 
 
@@ -82,22 +94,22 @@ def without_role(chunk: dict[str, Any], started: set[int]) -> dict[str, Any]:
     return chunk
 
 
-async def endpoint_with_sessions(up: Upstream) -> tuple[str, str] | None:
-    """A derender endpoint that runs sessions and its session path (asked once per TTL)."""
+async def endpoint_with_sessions(up: Upstream, api: Api) -> tuple[str, str] | None:
+    """A derender endpoint that runs ``api`` sessions and its session path (asked once per TTL)."""
     known = _cache.setdefault(up, {})
     now = time.monotonic()
     tried: list[str] = []
     while (url := up.pools["derender"].pick(exclude=tried)) is not None:
         tried.append(url)
-        at, path = known.get(url, (-1e9, None))
+        at, capabilities = known.get(url, (-1e9, None))
         if now - at > CAPABILITY_TTL_SECONDS:
             try:
                 status, body = await up.get_json(url, wire.CAPABILITIES)
-                path = session_path(json.loads(body)) if status == 200 else None
+                capabilities = json.loads(body) if status == 200 else None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                path = None
-            known[url] = (now, path)
-        if path:
+                capabilities = None
+            known[url] = (now, capabilities)
+        if path := session_path(capabilities, api):
             return url, path
     return None
 
@@ -105,7 +117,7 @@ async def endpoint_with_sessions(up: Upstream) -> tuple[str, str] | None:
 class SessionDerender:
     """``streaming.ChainedDerender``'s interface (feed / finish / cancel) over one session."""
 
-    def __init__(self, up: Upstream, stream_call: chained.ChatStream, emit: streaming.Emit, stateless: Stateless):
+    def __init__(self, up: Upstream, stream_call: SessionStream, emit: streaming.Emit, stateless: Stateless):
         self.up, self.stream_call, self._emit, self._stateless = up, stream_call, emit, stateless
         self.request_id = ""
         self._pending: list[streaming.Chunk] = []
@@ -148,7 +160,7 @@ class SessionDerender:
     # -- the session -----------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        picked = await endpoint_with_sessions(self.up)
+        picked = await endpoint_with_sessions(self.up, api_of(self.stream_call))
         if picked is None:
             return await self._resume()  # nothing delivered: the stateless path from the start
         url, path = picked
@@ -250,8 +262,8 @@ Stateless = Callable[[streaming.Emit], streaming.ChainedDerender]
 
 def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: streaming.Emit,
                    stateless: Stateless) -> Any:
-    """The chained stream's derender: a session for a chat stream where the derender tier may
-    offer them, else the stateless one."""
-    if isinstance(stream_call, chained.ChatStream) and up.config.engine.derender_sessions:
+    """The chained stream's derender: a session where the derender tier may offer them, else the
+    stateless one."""
+    if isinstance(stream_call, (chained.ChatStream, chained.CompletionStream)) and up.config.engine.derender_sessions:
         return SessionDerender(up, stream_call, emit, stateless)
     return stateless(emit)

@@ -46,6 +46,8 @@ class SidecarState:
     reading: int = 0  # requests still receiving their body (no slot: memory budget and deadline bound them)
     budget: MemoryBudget = field(init=False)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # SIGTERM came (``draining`` is set)
+    drained: asyncio.Event = field(default_factory=asyncio.Event)  # nothing in flight any more: vLLM may stop
 
     def __post_init__(self) -> None:
         self.budget = MemoryBudget(self.config.limits.memory_budget_bytes)
@@ -99,6 +101,10 @@ class SidecarState:
 
     def _optional(self) -> tuple[str, ...]:
         return ("prefill",) if self.config.prefill.failure_policy == "fallback" else ()
+
+    def start_draining(self) -> None:
+        self.draining = True
+        self.stopping.set()
 
     def full(self) -> bool:
         return self.in_flight >= self.config.limits.max_concurrent_requests

@@ -26,6 +26,7 @@ COMPLETIONS: Final = "/v1/completions"
 MODELS: Final = "/v1/models"
 HEALTH: Final = "/health"
 LIVE: Final = "/health/live"
+DRAINED: Final = "/health/drained"  # the decode engine's preStop hook (handlers.drained)
 METRICS: Final = "/metrics"
 
 # Headers.

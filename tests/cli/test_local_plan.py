@@ -98,14 +98,14 @@ def test_secrets_of_a_cluster_are_refused_locally(tmp_path, field, value):
         _processes(tmp_path, doc)
 
 
-def test_the_example_render_runs_without_the_extension_and_the_default_would_add_it(tmp_path):
-    """examples/local-tiny.yaml sets engine.renderExtension false (the suite's chained tests take the
-    stateless path through its render); without that line local mode follows the operator's default."""
+def test_the_example_render_runs_the_extension_and_can_do_without(tmp_path):
+    """examples/local-tiny.yaml follows the operator's default: its render runs the extension (derender
+    sessions, a fallback behind decode's inline derender); engine.renderExtension false drops it."""
     procs = _processes(tmp_path)
-    assert "VLLM_PLUGINS" not in procs["render-0"].env
-    assert procs["sidecar-0"].config.engine.derender_sessions is False
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    del doc["spec"]["engine"]["renderExtension"]
-    procs = _processes(tmp_path, doc)
     assert procs["render-0"].env["VLLM_PLUGINS"] == "disagg"
     assert procs["sidecar-0"].config.engine.derender_sessions is True  # 0.32: the render runs sessions
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["engine"]["renderExtension"] = False
+    procs = _processes(tmp_path, doc)
+    assert "VLLM_PLUGINS" not in procs["render-0"].env
+    assert procs["sidecar-0"].config.engine.derender_sessions is False

@@ -4,7 +4,7 @@
 the openai SDK talks to the model through the decode Service's ClusterIP (kube-proxy on this host).
 
 One operator release and one deployment serve every test here (engines take minutes to start on a
-busy 2-core machine); the last test deletes the model."""
+busy 2-core machine); the last two take the node down under it and delete the model."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,17 @@ import requests
 import yaml
 from openai import OpenAI
 
-from tests.harness.cluster import REAL_NODE, REAL_NODE_TAINT, Cluster, RealNodeSession, start_real_node
+from tests.cluster.real_node import node_pids, running
+from tests.harness.cluster import (
+    REAL_NODE,
+    REAL_NODE_TAINT,
+    Cluster,
+    ClusterError,
+    RealNodeSession,
+    host_state,
+    node_script,
+    start_real_node,
+)
 from tests.harness.coupled import forced_views
 from tests.harness.request_stream import RequestStream
 
@@ -66,6 +76,9 @@ def ready(pod: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="module")
 def images(cluster: Cluster, real_node_session: RealNodeSession) -> dict[str, str]:
+    if real_node_session.before is None and (cluster.state_dir / "node").exists():
+        # Up before this session: restart it, so the node-down test knows the machine without it.
+        assert node_script("down", cluster.state_dir, timeout=300).returncode == 0
     start_real_node(cluster, real_node_session)
     t0 = time.monotonic()
     proc = subprocess.run([str(REPO / "scripts" / "disagg-images"), "--import"], capture_output=True, text=True,
@@ -142,7 +155,7 @@ def test_every_pool_runs_real_containers_ready_through_real_probes(cluster: Clus
             assert status["containerID"].startswith("containerd://") and status["ready"], status
         vllm = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")
         assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(vllm)
-        assert vllm["lifecycle"]["preStop"]["sleep"]["seconds"] > 0  # accepted by the API server, run by kubelet
+        assert vllm["lifecycle"]["preStop"]  # accepted by the API server, run by kubelet (decode: httpGet)
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
@@ -248,7 +261,8 @@ def test_a_parser_flag_change_rolls_render_and_decode_but_not_prefill_without_a_
     cluster: Cluster, tiny: Deployed, forcer
 ) -> None:
     """Rolling updates surge one pod at a time; the old decode pod's sidecar keeps serving for its
-    deregister window with readiness off, drains, and vLLM beside it outlives that (preStop sleep);
+    deregister window with readiness off, drains, and vLLM beside it outlives that (its preStop hook
+    waits for /health/drained);
     the old render pod's vLLM serves until its Service dropped it."""
     before = {pool: _uids(cluster, tiny.ns, pool) for pool in POOLS}
     parser = "qwen3_xml"  # from hermes: render (which derenders too) and decode parse tool calls; prefill never
@@ -270,6 +284,28 @@ def test_a_parser_flag_change_rolls_render_and_decode_but_not_prefill_without_a_
         [pod] = pods(cluster, tiny.ns, pool)
         args = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")["args"]
         assert args[args.index("--tool-call-parser") + 1] == parser
+
+
+def test_node_down_with_every_disagg_pod_running_leaves_nothing(
+    cluster: Cluster, tiny: Deployed, real_node_session: RealNodeSession
+) -> None:
+    """``make cluster-down`` runs ``scripts/node down`` first: with the operator and the model's
+    pods running (vLLM engines, the sidecar, their volumes and network namespaces), the pods go
+    through the API and the machine is left as it was before the node started: no process,
+    container, mount, interface, iptables chain, sysctl or cgroup. Next to last: the model's
+    Deployments now make Pending pods (no real node), which deleting the model removes."""
+    pids = node_pids(cluster.state_dir / "node")
+    containers = [pid for pid, what in pids.items() if what == "container"]
+    assert len(containers) >= 5, pids  # operator, prefill, render, decode's vLLM and sidecar (and pause)
+    names = {p["metadata"]["name"] for p in pods(cluster, tiny.ns)}
+    down = node_script("down", cluster.state_dir, timeout=300)
+    assert down.returncode == 0, down.stderr
+    assert {pid: what for pid, what in pids.items() if running(pid)} == {}
+    assert host_state() == real_node_session.before
+    left = {p["metadata"]["name"] for p in pods(cluster, tiny.ns)}
+    assert not names & left, "the node's pods are deleted, not left Terminating on a dead node"
+    with pytest.raises(ClusterError, match="NotFound"):
+        cluster.kubectl("get", "node", REAL_NODE)
 
 
 def test_deleting_the_model_removes_every_pod(cluster: Cluster, tiny: Deployed) -> None:

@@ -1,7 +1,8 @@
 """The render processes that run the engine extension's derender sessions, as the session tests
-see them. The harness starts two (``session_renders``, tests/harness/engine.py: one can be killed
-mid-stream) in its background thread; ``DISAGG_ATTACH_SESSION_RENDERS=<json file: a list of {url,
-pid}>`` attaches to ones already running."""
+see them (``session_renders``, tests/harness/engine.py): one the harness starts in its background
+thread, which a test kills mid-stream, and the demo's render (the shared set's, with the
+extension too); ``DISAGG_ATTACH_SESSION_RENDERS=<json file: a list of {url, pid}>`` attaches to a
+killable one already running."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import requests
 from disagg_engine import vllm_compat
 from disagg_engine.sessions import (
     CHAT_SESSION_PATH,
+    COMPLETIONS_SESSION_PATH,
     Sessions,
     engine_outputs,
     line_chunk,
@@ -79,7 +80,7 @@ def test_tagged_adds_the_lines_its_choice_consumed():
 
 
 def test_idle_session_ends_with_an_error():
-    sessions = Sessions(SimpleNamespace(renderer=SimpleNamespace(tokenizer=None)), idle_seconds=0.05)
+    sessions = Sessions(SimpleNamespace(renderer=SimpleNamespace(tokenizer=None)), None, idle_seconds=0.05)
 
     async def body():
         yield b'{"a":1}\n'
@@ -124,13 +125,19 @@ def chunk_line(forcer) -> bytes:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("body, message", [
-    (b"", "empty session body"),
-    (b'{"token_ids": []}\n', "invalid session request"),
-    (b'{"token_ids": [1], "sampling_params": {}}\n', "needs chat_request"),
+@pytest.mark.parametrize("path, body, message", [
+    (CHAT_SESSION_PATH, b"", "empty session body"),
+    (CHAT_SESSION_PATH, b'{"token_ids": []}\n', "invalid session request"),
+    (CHAT_SESSION_PATH, b'{"token_ids": [1], "sampling_params": {}}\n', "needs chat_request"),
+    (COMPLETIONS_SESSION_PATH, b'{"token_ids": [1], "sampling_params": {}}\n', "needs completion_request"),
+    (COMPLETIONS_SESSION_PATH, b'{"token_ids": [1], "sampling_params": {}, "completion_request": {"prompt": "-"}, '
+                               b'"output_mode": "derender", "chat_request": {"messages": [{"role": "user", '
+                               b'"content": ""}]}}\n', "and no chat_request"),
+    (COMPLETIONS_SESSION_PATH, b'{"token_ids": [1], "completion_request": {"prompt": "-", "n": 0}}\n',
+     "invalid session request"),
 ])
-def test_bad_session_openings_get_an_openai_error(session_renders, body: bytes, message: str):
-    resp = requests.post(live(session_renders).url + CHAT_SESSION_PATH, data=body, timeout=30)
+def test_bad_session_openings_get_an_openai_error(session_renders, path: str, body: bytes, message: str):
+    resp = requests.post(live(session_renders).url + path, data=body, timeout=30)
     assert resp.status_code == 400
     assert message in resp.json()["error"]["message"]
 
@@ -139,6 +146,7 @@ def test_bad_session_openings_get_an_openai_error(session_renders, body: bytes, 
 def test_render_reports_sessions(session_renders):
     caps = live(session_renders).capabilities()
     assert caps["role"] == "render" and caps["derender_sessions"]["chat_path"] == CHAT_SESSION_PATH
+    assert caps["derender_sessions"]["completions_path"] == COMPLETIONS_SESSION_PATH
     assert caps["derender_sessions"]["max_sessions"] >= 200
     assert engine_args.derender_sessions(caps["vllm_version"])  # what the operator expects of this version
 

@@ -162,10 +162,14 @@ class _EarlyStarts:
         if future is not None and future.done() and not future.cancelled() and future.exception() is None:
             future.result().stop()  # idempotent
 
+    def stop_many(self, names: list[str]) -> None:
+        """Each takes seconds (vLLM's shutdown): all at once."""
+        with ThreadPoolExecutor(max(1, len(names))) as pool:
+            list(pool.map(self.stop, names))
+
     def stop_all(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)  # a start in progress finishes, then is stopped
-        for name in reversed(list(self._futures)):
-            self.stop(name)
+        self.stop_many(list(self._futures))
 
 
 DISAGG = [sys.executable, "-m", "disagg_cli.main"]
@@ -192,7 +196,8 @@ def _start_lane_set() -> ServerSet:
 
 @dataclass
 class SessionRenders:
-    """Two ``launch render`` servers with the engine extension (derender sessions)."""
+    """A ``launch render`` server with the engine extension that a test may kill (the demo's render
+    has the extension too, and others rely on it)."""
     servers: list[ManagedServer]
 
     def stop(self) -> None:
@@ -201,7 +206,7 @@ class SessionRenders:
 
 def _start_session_renders() -> SessionRenders:
     kv = Path(tempfile.mkdtemp(prefix="disagg-kv-"))
-    specs = [role_specs(("render",), ensure_model(), kv, name_prefix=f"session{i}-")[0] for i in range(2)]
+    specs = role_specs(("render",), ensure_model(), kv, name_prefix="killable-")
     return SessionRenders(start_all(specs, Path(tempfile.mkdtemp(prefix="disagg-session-logs-")), timeout=900))
 
 
@@ -266,9 +271,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator:
     yield
-    for name, nodeid in _early.last_user.items():
-        if item.nodeid == nodeid:
-            _early.stop(name)
+    _early.stop_many([name for name, nodeid in _early.last_user.items() if item.nodeid == nodeid])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -311,11 +314,14 @@ def lane_set(request) -> ServerSet:
 
 
 @pytest.fixture(scope="session")
-def session_renders() -> list[Render]:
-    """Two renders with derender sessions (tests/engine/session_renders.py)."""
+def session_renders(engine_set) -> list[Render]:
+    """Two renders with derender sessions (tests/engine/session_renders.py): first one of the
+    session tests' own, which a test may kill, then the shared set's (the demo's)."""
     if attach := os.environ.get(_ATTACH["session_renders"]):
-        return [Render(r["url"], r["pid"]) for r in json.loads(Path(attach).read_text())]
-    return [Render(s.url, s.pid) for s in _early.result("session_renders").servers]
+        killable = [Render(r["url"], r["pid"]) for r in json.loads(Path(attach).read_text())]
+    else:
+        killable = [Render(s.url, s.pid) for s in _early.result("session_renders").servers]
+    return [*killable, Render(engine_set.url("render"), engine_set.servers["render"].pid)]
 
 
 @pytest.fixture(scope="session")

@@ -147,7 +147,7 @@ def test_example_gets_every_child_with_consistent_flags(cluster: Cluster, operat
     assert {c["type"] for c in status["conditions"]} == {
         "Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "ConfigConsistent", "Progressing",
         "Degraded"}
-    assert status["derender"] == {"strategy": plan.derender_strategy} == {"strategy": "stateless"}  # vLLM 0.33
+    assert status["derender"] == {"strategy": plan.derender_strategy} == {"strategy": "session"}
     table = cluster.kubectl("get", "dm", "-n", ns).stdout.splitlines()
     assert table[0].split() == ["NAME", "READY", "POOLS", "ENDPOINT", "AGE"]
     assert table[1].split()[:4] == ["qwen3-8b", "True", "3/3", f"http://qwen3-8b.{ns}.svc:8000"]

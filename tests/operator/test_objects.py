@@ -15,7 +15,7 @@ from disagg_operator.kv import KV_SHARED_PATH
 from disagg_operator.objects import build_objects
 from disagg_operator.objects.deployments import SIDECAR_COMMAND
 from disagg_operator.plan import Plan, Role
-from disagg_sidecar.config import CUT_SECONDS, SidecarConfig
+from disagg_sidecar.config import SidecarConfig
 from tests.operator.cases import merged
 from tests.operator.builders import TEMPLATE, full_spec, plan_of
 
@@ -147,22 +147,24 @@ def test_probes_target_named_ports(plan: Plan) -> None:
 
 
 def test_engines_outlive_what_still_sends_to_them_when_a_pod_terminates(plan: Plan) -> None:
-    """kubelet signals every container of a terminating pod at once: decode's vLLM sleeps in its
-    preStop until the sidecar beside it has deregistered and drained; the other pools' vLLM until
-    Services and the sidecars' EndpointSlice watches dropped the pod; the grace period covers it."""
+    """kubelet signals every container of a terminating pod at once: decode's vLLM waits in its
+    preStop hook for the sidecar beside it to drain (its ``/health/drained``, on the sidecar's port
+    number); the other pools' vLLM sleeps until Services and the sidecars' EndpointSlice watches
+    dropped the pod; the grace period covers it."""
     limits = plan.sidecar.config.limits
     assert limits.deregister_seconds >= 5 and limits.drain_seconds >= 30  # the sidecar's defaults
     templates = pod_templates(objects_of(plan))
     for pool in plan.pools:
         spec = templates[pool.name]["spec"]
-        sleep = container(templates[pool.name], names.VLLM_CONTAINER)["lifecycle"]["preStop"]["sleep"]["seconds"]
+        hook = container(templates[pool.name], names.VLLM_CONTAINER)["lifecycle"]["preStop"]
         grace = spec.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
         if pool.role == Role.DECODE:
-            assert sleep >= limits.deregister_seconds + limits.drain_seconds + CUT_SECONDS, sleep
-            assert "lifecycle" not in container(templates[pool.name], names.SIDECAR_CONTAINER)
-            assert grace >= sleep + 30, "vLLM's own shutdown after the sleep fits in the grace period"
+            sidecar = container(templates[pool.name], names.SIDECAR_CONTAINER)
+            assert hook == {"httpGet": {"path": "/health/drained", "port": sidecar["ports"][0]["containerPort"]}}
+            assert "lifecycle" not in sidecar
+            assert grace >= limits.stop_seconds + 30, "vLLM's own shutdown after the drain fits in the grace period"
         else:
-            assert sleep >= limits.deregister_seconds and sleep < grace
+            assert limits.deregister_seconds <= hook["sleep"]["seconds"] < grace
 
 
 def test_config_hash_annotations_come_from_the_plan(plan: Plan) -> None:

@@ -225,8 +225,9 @@ ROLLS = [
     ("router timeouts", {"router": {"timeouts": {"decodeSeconds": 60}}}, {"decode"}),
     ("sidecar image", {"router": {"image": "ghcr.io/disagg/disagg:v0.2.0"}}, {"decode"}),
     ("cpu image", {"engine": {"cpuImage": "ghcr.io/disagg/vllm-cpu:v0.33.1"}}, {"render", "derender"}),
-    ("render extension", {"engine": {"renderExtension": False}}, {"render", "derender"}),  # 0.33: no sessions
-    ("vllm version", {"engine": {"vllmVersion": "0.32.0"}}, {"decode"}),  # its sidecar: features, sessions
+    # decode: its sidecar's engine.derender_sessions
+    ("render extension", {"engine": {"renderExtension": False}}, {"render", "derender", "decode"}),
+    ("vllm version", {"engine": {"vllmVersion": "0.32.0"}}, {"decode"}),  # its sidecar's features
     ("gpu image", {"engine": {"gpuImage": "vllm/vllm-openai:v0.33.1"}}, {"prefill", "decode"}),
     ("kv extra config", {"kvTransfer": {"extraConfig": {"backends": ["UCX", "GDS"]}}}, {"prefill", "decode"}),
     ("decode resources", {"pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}}, {"decode"}),
@@ -307,8 +308,8 @@ STRATEGIES = [
     # (engine, render replicas) -> status.derender.strategy, the sidecar's engine.derender_sessions
     ({"vllmVersion": "0.32.0"}, 1, "session", True),
     ({"vllmVersion": "0.32.0+cpu", "extension": True}, 1, "inline", True),  # sessions stay a fallback
-    ({"vllmVersion": "0.33.0"}, 1, "stateless", False),  # 0.33's render tier offers no sessions
-    ({"vllmVersion": "0.33.0", "extension": True}, 1, "inline", False),
+    ({"vllmVersion": "0.33.0"}, 1, "session", True),
+    ({"vllmVersion": "0.33.0", "extension": True}, 1, "inline", True),
     ({"vllmVersion": "0.32.0", "renderExtension": False}, 1, "stateless", False),
     ({"vllmVersion": "0.32.0"}, 0, "stateless", False),  # decode renders and derenders on its own routes
     ({"vllmVersion": "0.32.0", "extension": True}, 0, "inline", False),

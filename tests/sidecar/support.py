@@ -70,9 +70,11 @@ LANE_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0"}
 
 
 def lane_engine(sset) -> dict[str, Any]:
-    """The ``engine`` section the operator writes for the set's vLLM version (decode with the extension)."""
+    """The ``engine`` section the operator writes for the set's vLLM version (decode with the
+    extension), with a stateless derender tier (the session tests turn ``derender_sessions`` on:
+    the 0.33 set's render offers sessions, and the chained-path tests test the stateless path)."""
     version = LANE_VERSIONS[sset.vllm_lane]
-    return {"vllm_version": version, "extension": True, "prefill_tokens_only": True,
+    return {"vllm_version": version, "extension": True, "prefill_tokens_only": True, "derender_sessions": False,
             "features": vllm_features(version)}
 
 

@@ -164,6 +164,20 @@ def test_decode_body(mode, context, expected_context) -> None:
         assert body.endswith(b',"chat_request":' + client + b"}")  # the client's bytes, not re-serialised
 
 
+@pytest.mark.parametrize("mode, stop, detokenize", [
+    ("tokens", None, False), ("tokens", [], False),  # the derender tier makes the text
+    ("tokens", ["\n\n"], None),  # the engine's stop strings need its detokenizer
+    ("text", None, None), ("derender", None, None),
+])
+def test_a_tokens_decode_leg_is_not_detokenized_unless_stop_strings_need_it(mode, stop, detokenize) -> None:
+    rendered = gen()
+    if stop is not None:
+        rendered["sampling_params"] = {**rendered["sampling_params"], "stop": stop}
+    body = json.loads(legs.decode_body(rendered, None, mode, None, None))
+    assert body["sampling_params"].get("detokenize") == detokenize
+    assert "detokenize" not in rendered["sampling_params"]  # render's answer is left as it was
+
+
 def test_connectors_by_name() -> None:
     assert isinstance(get_connector("NixlConnector"), NixlConnector)
     assert isinstance(get_connector("ExampleConnector"), ExampleConnector)

@@ -1,40 +1,56 @@
 """Derender sessions end to end: a stock decode engine (tokens), the sidecar, and render
 processes that run the engine extension's sessions, against the coupled server.
 
-The render processes are the session tests' own (``tests/engine/session_renders.py``); decode,
-prefill and coupled come from the shared set.
+The render processes are the demo's (with the extension) and one of the session tests' own, which
+one test kills (``tests/engine/session_renders.py``); decode, prefill and coupled come from the
+shared set.
 """
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import requests
 
 from disagg_engine.servers import pid_alive, signal_group
+from disagg_engine.testing.lanes import MAIN
 
 from tests.engine.session_renders import Render
-from tests.harness.openai_views import chat_full_view, chat_stream_full_view, sse_events
+from tests.harness.openai_views import chat_full_view, chat_stream_full_view, completion_stream_full_view, sse_events
 from tests.harness.overlap import in_background
 from tests.sidecar.conftest import TOKENS_ONLY
-from tests.sidecar.support import long_body, run_sidecar, sidecar_config, wait_for
+from tests.sidecar.support import RunningSidecar, long_body, run_sidecar, sidecar_config, wait_for
 from tests.sidecar.test_parity import post_raw
-from tests.sidecar.test_parity_matrix import CHAT_CASES, chat_request
+from tests.sidecar.test_parity_matrix import CHAT_CASES, COMPLETION_CASES, chat_request
 
 pytestmark = [pytest.mark.engine]
 
 
-def session_config(engine_set, renders: list[Render], **overrides: Any) -> dict[str, Any]:
+def session_config(sset, renders: list[Render], **overrides: Any) -> dict[str, Any]:
     """A stock decode engine (tokens only); the derender tier: the session renders."""
-    return sidecar_config(engine_set, decode={"capabilities": TOKENS_ONLY},
+    engine = {"derender_sessions": True, **overrides.pop("engine", {})}
+    return sidecar_config(sset, decode={"capabilities": TOKENS_ONLY}, engine=engine,
                           derender={"urls": [r.url for r in renders if r.alive()]}, **overrides)
 
 
 @pytest.fixture(scope="module")
 def session_sidecar(engine_set, session_renders):
     with run_sidecar(session_config(engine_set, session_renders)) as sidecar:
+        yield sidecar
+
+
+@pytest.fixture(scope="module")
+def lane_session_sidecar(request, lane_set) -> Iterator[RunningSidecar]:
+    """Each vLLM lane's set behind a sidecar whose derender tier runs sessions: on 0.32 the session
+    tests' own renders, on 0.33 its set's render (which has the extension)."""
+    if lane_set.vllm_lane == MAIN:
+        renders = request.getfixturevalue("session_renders")
+    else:
+        renders = [Render(lane_set.url("render"), lane_set.servers["render"].pid)]
+    with run_sidecar(session_config(lane_set, renders)) as sidecar:
         yield sidecar
 
 
@@ -46,18 +62,35 @@ def stateless_calls(sidecar) -> float:
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("case", list(CHAT_CASES))
-def test_chat_matrix_through_sessions(engine_set, forcer, session_sidecar, case: str, stream: bool, n: int) -> None:
-    """The parity matrix's chat cases through the session path equal the coupled server; a
-    stream makes no stateless derender call (batch answers stay one stateless call)."""
+def test_chat_matrix_through_sessions(lane_set, forcer, lane_session_sidecar, case: str, stream: bool, n: int) -> None:
+    """The parity matrix's chat cases through the session path equal the coupled server, on each
+    vLLM lane; a stream makes no stateless derender call (batch answers stay one stateless call)."""
     body = chat_request(forcer, case, stream, n)
     request_id = f"session-{case}-{int(stream)}-{n}"
-    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, request_id))
-    before = stateless_calls(session_sidecar)
-    got = post_raw(session_sidecar.url, "/v1/chat/completions", body, request_id)
+    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, request_id))
+    before = stateless_calls(lane_session_sidecar)
+    got = post_raw(lane_session_sidecar.url, "/v1/chat/completions", body, request_id)
     view = chat_stream_full_view if stream else chat_full_view
     assert view(got) == view(reference.result())
     if stream:
-        assert stateless_calls(session_sidecar) == before
+        assert stateless_calls(lane_session_sidecar) == before
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("case", list(COMPLETION_CASES))
+def test_completions_stream_matrix_through_sessions(lane_set, forcer, lane_session_sidecar, case: str, n: int) -> None:
+    """The parity matrix's completions cases, streamed, through the session path equal the coupled
+    server on each vLLM lane, with no stateless derender call (a batch answer is one stateless
+    call whatever the path: the chat matrix above checks that)."""
+    body = {**COMPLETION_CASES[case](forcer), "stream": True, "n": n}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": body.pop("continuous_usage", False)}
+    request_id = f"session-completions-{case}-{n}"
+    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/completions", body, request_id))
+    before = stateless_calls(lane_session_sidecar)
+    got = post_raw(lane_session_sidecar.url, "/v1/completions", body, request_id)
+    assert completion_stream_full_view(got) == completion_stream_full_view(reference.result())
+    assert stateless_calls(lane_session_sidecar) == before
 
 
 def test_stateless_derender_tier_still_works(engine_set, forcer, session_sidecar) -> None:
@@ -82,11 +115,13 @@ def test_a_derender_tier_configured_without_sessions_is_never_asked(engine_set, 
 @pytest.mark.reliability
 def test_pinned_render_killed_mid_stream(engine_set, forcer, session_renders) -> None:
     """The render process a stream's session is pinned to dies mid-stream: the stream goes on
-    statelessly on the other one from the last delivered chunk; the client's output equals coupled.
-    Runs last in this module: it kills one of the module's own render processes."""
+    statelessly on the other one (the demo's render) from the last delivered chunk; the client's
+    output equals coupled. Runs last in this module: it kills the session tests' own render."""
     body = long_body(forcer, 3000, stream=True, logprobs=True, top_logprobs=2, return_token_ids=True,
                      stream_options={"include_usage": True})
     reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, "killed"))
+    killable, *_ = session_renders
+    # A new sidecar's first derender pick among idle endpoints is the first listed: the killable one.
     with run_sidecar(session_config(engine_set, session_renders)) as sidecar:
         failures = lambda: sidecar.metric("disagg_sidecar_leg_errors_total", leg="derender", kind="session")
         before = failures()
@@ -95,9 +130,9 @@ def test_pinned_render_killed_mid_stream(engine_set, forcer, session_renders) ->
         assert resp.status_code == 200
         events = sse_events(resp.iter_lines())
         got = [next(events) for _ in range(20)]  # the session answers
-        (pinned,) = [r for r in session_renders if r.alive() and r.live_sessions() == 1]
-        signal_group(pinned.pid, signal.SIGKILL)
-        assert wait_for(lambda: not pid_alive(pinned.pid), timeout=30)
+        assert [r.url for r in session_renders if r.live_sessions() == 1] == [killable.url]
+        signal_group(killable.pid, signal.SIGKILL)
+        assert wait_for(lambda: not pid_alive(killable.pid), timeout=30)
         got += list(events)
         assert failures() == before + 1
     assert got[-1] == "[DONE]" and not any("error" in e for e in got[:-1])

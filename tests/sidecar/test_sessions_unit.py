@@ -9,11 +9,14 @@ from disagg_sidecar.sessions import open_line, session_path, session_row, withou
 
 
 def test_session_path_only_from_a_render_that_offers_it():
-    assert session_path({"derender_sessions": {"chat_path": "/disagg/v1/derender/sessions/chat"}}) \
-        == "/disagg/v1/derender/sessions/chat"
+    caps = {"derender_sessions": {"chat_path": "/disagg/v1/derender/sessions/chat"}}
+    assert session_path(caps, "chat") == "/disagg/v1/derender/sessions/chat"
+    assert session_path(caps, "completions") is None  # a render with chat sessions only
+    caps["derender_sessions"]["completions_path"] = "/c"
+    assert session_path(caps, "completions") == "/c"
     for caps in (None, "absent", {}, {"derender_sessions": None}, {"derender_sessions": {"chat_path": "http://x/"}},
                  {"output_modes": ["tokens"]}):
-        assert session_path(caps) is None
+        assert session_path(caps, "chat") is None
 
 
 def test_open_line_is_the_decode_leg_with_the_parser_context():
@@ -31,6 +34,18 @@ def test_open_line_is_the_decode_leg_with_the_parser_context():
     # the parser context: no stop (the detokenizer applies the engine's), no conversation text
     assert "stop" not in body["chat_request"] and "secret" not in json.dumps(body["chat_request"])
     assert body["chat_request"]["tools"] == client["tools"]
+
+
+def test_a_completions_open_line_carries_the_completions_request_without_its_prompt():
+    client = {"model": "m", "prompt": "secret prompt", "stop": ["x"], "stream": True, "logprobs": 2,
+              "stream_options": {"include_usage": True}}
+    gen = {"token_ids": [1, 2, 3], "sampling_params": {"stop": ["x"], "n": 1, "logprobs": 2}}
+    leg = legs.DerenderLeg("completions", json.dumps(client).encode(), gen["token_ids"])
+    body = json.loads(open_line(chained.CompletionStream(leg, chained.Options.of(client, gen), tier=None), "r"))
+    assert body["sampling_params"] == gen["sampling_params"] and body["token_ids"] == [1, 2, 3]
+    assert "output_mode" not in body and "chat_request" not in body
+    assert body["completion_request"]["logprobs"] == 2 and "stop" not in body["completion_request"]
+    assert "secret" not in json.dumps(body)
 
 
 def test_without_role_only_for_choices_the_client_already_started():

@@ -7,12 +7,16 @@ flight is covered with real engines in test_reliability.py.)"""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
+
+from disagg_sidecar import wire
+from disagg_sidecar.handlers import SIGTERM_ALLOWANCE_SECONDS
 
 from tests.sidecar.support import SERVED, FakeEngine, fake_config, fake_engine, sidecar_process, wait_for
 
@@ -60,3 +64,48 @@ def test_sigterm_keeps_accepting_connections_for_the_deregister_window(engine: F
     assert "readiness off; serving new connections for 3s while endpoints are removed" in messages
     assert "draining 0 in-flight requests (up to 30s)" in messages
     print(f"deregister window {window:.0f}s: {served} new connections served after SIGTERM, exit {exited:.1f}s")
+
+
+def _get_in_background(url: str) -> tuple[dict, threading.Thread]:
+    """GET ``url`` in a thread; the result's status, body and monotonic answer time."""
+    got: dict = {}
+
+    def run() -> None:
+        resp = requests.get(url, timeout=60)
+        got.update(status=resp.status_code, body=resp.json(), at=time.monotonic())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return got, thread
+
+
+def test_drained_answers_the_engines_prestop_hook_once_nothing_is_in_flight(engine: FakeEngine, tmp_path: Path) -> None:
+    """``GET /health/drained`` (decode vLLM's preStop hook): 409 in OpenAI's shape while the sidecar
+    is not stopping; after SIGTERM, 200 only once the deregister window is over and the request in
+    flight has been answered, before the sidecar exits."""
+    window, slow = 1.0, 4.0
+    engine.delay[wire.CHAT_RENDER] = slow  # a request that stays in flight past the window
+    config = fake_config(engine, limits={"deregister_seconds": window, "drain_seconds": 30,
+                                         "health_interval_seconds": 0.5})
+    with sidecar_process(config, tmp_path) as sidecar:
+        asked = time.monotonic()
+        early = requests.get(sidecar.url + wire.DRAINED, timeout=30)
+        assert early.status_code == 409 and "not stopping" in early.json()["error"]["message"], early.text
+        assert time.monotonic() - asked >= SIGTERM_ALLOWANCE_SECONDS - 0.5
+
+        chat: dict = {}
+        in_flight = threading.Thread(target=lambda: chat.update(
+            status=requests.post(sidecar.url + wire.CHAT, json={"model": SERVED, "messages": [
+                {"role": "user", "content": "hi"}]}, timeout=60).status_code, at=time.monotonic()), daemon=True)
+        in_flight.start()
+        assert wait_for(lambda: any(c.path == wire.CHAT_RENDER for c in engine.calls), timeout=10)
+        hook, hook_thread = _get_in_background(sidecar.url + wire.DRAINED)  # before the signal, as it may come
+        signalled = time.monotonic()
+        sidecar.proc.send_signal(signal.SIGTERM)
+        in_flight.join(60)
+        hook_thread.join(60)
+        assert hook["status"] == 200 and hook["body"] == {"status": "drained"}, hook
+        assert chat["status"] == 400  # the fake render's refusal, relayed: the request was served
+        assert hook["at"] >= chat["at"] and hook["at"] - signalled >= window
+        assert sidecar.proc.wait(30) == 0
+    engine.delay.clear()

@@ -10,6 +10,7 @@ from disagg_operator.names import Role
 from disagg_operator.plan import Plan
 from disagg_operator.pool_plan import MODEL_MOUNT_ROOT, PoolPlan
 from disagg_operator.sidecar_config import CLIENT_KEY_DIR, ENGINE_KEY_DIR
+from disagg_sidecar import wire
 from disagg_sidecar.discovery_config import SERVICE_ACCOUNT_DIR
 
 SIDECAR_CONFIG_DIR = "/etc/disagg"
@@ -19,7 +20,7 @@ CACHE_DIR = "/var/cache/disagg"  # writable scratch (emptyDir): HOME of the engi
 TMP_DIR = "/tmp"  # Triton, CUDA and FlashInfer caches under ~ land on it; /tmp: torch compile, vLLM IPC
 NON_ROOT_UID = 1000
 DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
-DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced (> the preStop)
+DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced (> stop_seconds)
 
 # Every container (engines of all pools, the sidecar): non-root, no privilege escalation, no
 # capabilities, a read-only root; what vLLM writes goes to emptyDirs (cache, tmp, dshm).
@@ -37,13 +38,19 @@ def _probe(path: str, port: str, period: int, failures: int, timeout: int = 3, h
     return {"httpGet": get, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
-def pre_stop_seconds(plan: Plan, pool: PoolPlan) -> int:
-    """How long vLLM keeps serving after its pod starts terminating (kubelet signals every
-    container at once): a decode engine until its sidecar has drained; the others until their
-    Services and the sidecars' EndpointSlice watches have dropped the pod (the sidecar's
-    ``limits.deregister_seconds``: the same delay, seen from the other side)."""
-    limits = plan.sidecar.config.limits
-    return math.ceil(limits.stop_seconds if pool.role == Role.DECODE else limits.deregister_seconds)
+def pre_stop(plan: Plan, pool: PoolPlan) -> dict[str, Any] | None:
+    """What vLLM's preStop hook waits for (kubelet signals every container of a terminating pod
+    at once): a decode engine until its sidecar has drained (the sidecar's ``/health/drained``
+    answers then, ``limits.stop_seconds`` at most: an idle pod goes after the deregister window);
+    the others for the sidecars' ``limits.deregister_seconds``, until their Services and the
+    sidecars' EndpointSlice watches have dropped the pod (the same delay, seen from the other side).
+    No shell in the image needed: an HTTP GET (to the port number: kubelet resolves a hook's named
+    port against its own container's ports) and a sleep action."""
+    if pool.role == Role.DECODE:
+        return {"httpGet": {"path": wire.DRAINED, "port": plan.sidecar.port}}
+    if seconds := math.ceil(plan.sidecar.config.limits.deregister_seconds):
+        return {"sleep": {"seconds": seconds}}
+    return None
 
 
 def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
@@ -79,8 +86,8 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
         "readinessProbe": _probe(pool.health_path, names.ENGINE_PORT, 5, 3, https=https),
         "livenessProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, 6, timeout=5, https=https),
     }
-    if wait := pre_stop_seconds(plan, pool):  # a sleep action: no shell in the image needed
-        container["lifecycle"] = {"preStop": {"sleep": {"seconds": wait}}}
+    if hook := pre_stop(plan, pool):
+        container["lifecycle"] = {"preStop": hook}
     if pool.image_pull_policy:
         container["imagePullPolicy"] = pool.image_pull_policy
     if pool.resources:
