@@ -9,10 +9,11 @@ from http import HTTPStatus
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from disagg_engine.capabilities import ABORT_PATH
 from disagg_engine.protocol import DisaggGenerateRequest
-from disagg_engine.sessions import CHAT_SESSION_PATH, COMPLETIONS_SESSION_PATH, DuplexResponse, SessionApi, SessionError
+from disagg_engine.sessions import CHAT_SESSION_PATH, COMPLETIONS_SESSION_PATH, SessionApi, SessionError
 from disagg_engine.vllm_compat import (
     ErrorResponse,
     GenerateResponseBase,
@@ -84,6 +85,20 @@ async def _session(raw_request: Request, api: SessionApi):
     except SessionError as exc:
         return _error(HTTPStatus(exc.status), str(exc))
     return DuplexResponse(sessions.stream(request, lines), media_type="text/event-stream")
+
+
+class DuplexResponse(StreamingResponse):
+    """A streamed answer that leaves the request body to the handler: Starlette's own (ASGI spec
+    below 2.4, as uvicorn reports) reads the body concurrently to watch for a disconnect, which
+    would swallow the session's lines. A disconnect still ends the session: the body reader sees it."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            raise ClientDisconnect() from None
+        finally:
+            await self.body_iterator.aclose()
 
 
 async def abort_requests(raw_request: Request):

@@ -46,7 +46,6 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
-from starlette.responses import StreamingResponse
 
 from disagg_engine.protocol import DisaggGenerateRequest
 from disagg_engine.shapes import derender_stream_event
@@ -297,17 +296,3 @@ async def _first_prompt(outputs: AsyncIterator[Any]) -> AsyncIterator[tuple[int,
     """A session's outputs as the completions generator takes them: (prompt index, output)."""
     async for out in outputs:
         yield 0, out
-
-
-class DuplexResponse(StreamingResponse):
-    """A streamed answer that leaves the request body to the handler: Starlette's own (ASGI spec
-    below 2.4, as uvicorn reports) reads the body concurrently to watch for a disconnect, which
-    would swallow the session's lines. A disconnect still ends the session: the body reader sees it."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await self.stream_response(send)
-        except OSError:
-            raise ClientDisconnect() from None
-        finally:
-            await self.body_iterator.aclose()

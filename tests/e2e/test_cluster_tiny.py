@@ -59,9 +59,11 @@ def get(cluster: Cluster, *args: str) -> dict[str, Any]:
 
 
 def release_volumes(cluster: Cluster) -> None:
-    """Make the node's volumes Available again after an earlier claim was deleted (Retain policy)."""
+    """Make the node's volumes Available again after an earlier claim was deleted (Retain policy);
+    a node that is down has none (scripts/node removes them)."""
+    names = {pv["metadata"]["name"]: pv for pv in get(cluster, "pv")["items"]}
     for pv in VOLUMES:
-        if get(cluster, "pv", pv)["status"]["phase"] == "Released":
+        if pv in names and names[pv]["status"]["phase"] == "Released":
             cluster.kubectl("patch", "pv", pv, "--type=json", "-p", '[{"op": "remove", "path": "/spec/claimRef"}]')
 
 
