@@ -276,10 +276,11 @@ class Sessions:
         chunks = aiter(body)
         while True:
             try:
-                data = await asyncio.wait_for(anext(chunks), self.idle_seconds)
+                async with asyncio.timeout(self.idle_seconds):  # per line: no task, unlike wait_for
+                    data = await anext(chunks)
             except StopAsyncIteration:
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise TimeoutError(f"derender session idle for {self.idle_seconds:g}s") from None
             except ClientDisconnect:
                 return

@@ -70,6 +70,9 @@ CHAT_CASES: dict[str, Case] = {
     "stop_at_the_start_of_reasoning": _chat("reasoning", stop=["<think>"]),
     "stop_after_min_tokens": _chat("plain", stop=["a"], min_tokens=3),  # "capital" has one too, unchecked
     "stop_in_reasoning_with_logprobs": _chat("reasoning", stop=["briefly"], logprobs=True, top_logprobs=2),
+    "stop_inside_a_second_tool_call": _chat("two_tool_calls", stop=["Europe"]),  # the first call stays whole
+    "stop_is_a_markup_token": _chat("reasoning_tool_call", stop=["<tool_call>"]),
+    "stop_is_the_end_of_reasoning": _chat("reasoning_tool_call", stop=["</think>"], logprobs=True),
     "stop_token_ids": lambda f: {**f.chat_body("plain"), "stop_token_ids": [_ids(f, "plain")[4]]},
     "logprobs_top0_multibyte": _chat("multibyte", logprobs=True, top_logprobs=0),
     "logprobs_top5_tool_call": _chat("reasoning_tool_call", logprobs=True, top_logprobs=5),

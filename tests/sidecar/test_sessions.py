@@ -19,7 +19,13 @@ from disagg_engine.servers import pid_alive, signal_group
 from disagg_engine.testing.lanes import MAIN
 
 from tests.engine.session_renders import Render
-from tests.harness.openai_views import chat_full_view, chat_stream_full_view, completion_stream_full_view, sse_events
+from tests.harness.openai_views import (
+    chat_full_view,
+    chat_stream_full_view,
+    completion_full_view,
+    completion_stream_full_view,
+    sse_events,
+)
 from tests.harness.overlap import in_background
 from tests.sidecar.conftest import TOKENS_ONLY
 from tests.sidecar.support import RunningSidecar, long_body, run_sidecar, sidecar_config, wait_for
@@ -34,12 +40,6 @@ def session_config(sset, renders: list[Render], **overrides: Any) -> dict[str, A
     engine = {"derender_sessions": True, **overrides.pop("engine", {})}
     return sidecar_config(sset, decode={"capabilities": TOKENS_ONLY}, engine=engine,
                           derender={"urls": [r.url for r in renders if r.alive()]}, **overrides)
-
-
-@pytest.fixture(scope="module")
-def session_sidecar(engine_set, session_renders):
-    with run_sidecar(session_config(engine_set, session_renders)) as sidecar:
-        yield sidecar
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +60,19 @@ def stateless_calls(sidecar) -> float:
 
 @pytest.mark.parity
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("case", list(CHAT_CASES))
-def test_chat_matrix_through_sessions(lane_set, forcer, lane_session_sidecar, case: str, stream: bool, n: int) -> None:
-    """The parity matrix's chat cases through the session path equal the coupled server, on each
-    vLLM lane; a stream makes no stateless derender call (batch answers stay one stateless call)."""
-    body = chat_request(forcer, case, stream, n)
-    request_id = f"session-{case}-{int(stream)}-{n}"
+def test_chat_stream_matrix_through_sessions(lane_set, forcer, lane_session_sidecar, case: str, n: int) -> None:
+    """The parity matrix's chat cases, streamed, through the session path equal the coupled server
+    on each vLLM lane, with no stateless derender call. (A batch answer is one stateless call
+    whatever ``derender_sessions`` says: test_parity_matrix.py's chained path is that path;
+    ``test_batch_answers_take_the_stateless_endpoints`` checks it here.)"""
+    body = chat_request(forcer, case, True, n)
+    request_id = f"session-{case}-{n}"
     reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, request_id))
     before = stateless_calls(lane_session_sidecar)
     got = post_raw(lane_session_sidecar.url, "/v1/chat/completions", body, request_id)
-    view = chat_stream_full_view if stream else chat_full_view
-    assert view(got) == view(reference.result())
-    if stream:
-        assert stateless_calls(lane_session_sidecar) == before
+    assert chat_stream_full_view(got) == chat_stream_full_view(reference.result())
+    assert stateless_calls(lane_session_sidecar) == before
 
 
 @pytest.mark.parity
@@ -81,8 +80,7 @@ def test_chat_matrix_through_sessions(lane_set, forcer, lane_session_sidecar, ca
 @pytest.mark.parametrize("case", list(COMPLETION_CASES))
 def test_completions_stream_matrix_through_sessions(lane_set, forcer, lane_session_sidecar, case: str, n: int) -> None:
     """The parity matrix's completions cases, streamed, through the session path equal the coupled
-    server on each vLLM lane, with no stateless derender call (a batch answer is one stateless
-    call whatever the path: the chat matrix above checks that)."""
+    server on each vLLM lane, with no stateless derender call."""
     body = {**COMPLETION_CASES[case](forcer), "stream": True, "n": n}
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": body.pop("continuous_usage", False)}
     request_id = f"session-completions-{case}-{n}"
@@ -93,12 +91,19 @@ def test_completions_stream_matrix_through_sessions(lane_set, forcer, lane_sessi
     assert stateless_calls(lane_session_sidecar) == before
 
 
-def test_stateless_derender_tier_still_works(engine_set, forcer, session_sidecar) -> None:
-    """Batch answers take the stateless endpoints of the same render processes (no session)."""
-    body = forcer.chat_body("reasoning_tool_call", stream=False)
-    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", body, "stateless"))
-    got = post_raw(session_sidecar.url, "/v1/chat/completions", body, "stateless")
-    assert chat_full_view(got) == chat_full_view(reference.result())
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_batch_answers_take_the_stateless_endpoints(lane_set, forcer, lane_session_sidecar, api: str) -> None:
+    """Batch answers take the stateless endpoints of the same render processes: one call, no session."""
+    if api == "chat":
+        path, body, view = "/v1/chat/completions", forcer.chat_body("reasoning_tool_call", stream=False, n=2), chat_full_view
+    else:
+        path, body, view = "/v1/completions", {**COMPLETION_CASES["plain"](forcer), "n": 2}, completion_full_view
+    reference = in_background(lambda: post_raw(lane_set.url("coupled"), path, body, f"batch-{api}"))
+    batch_calls = lambda: lane_session_sidecar.metric("disagg_sidecar_derender_calls_total", kind="batch")
+    before = batch_calls()
+    got = post_raw(lane_session_sidecar.url, path, body, f"batch-{api}")
+    assert view(got) == view(reference.result())
+    assert batch_calls() == before + 1
 
 
 def test_a_derender_tier_configured_without_sessions_is_never_asked(engine_set, forcer, session_renders) -> None:
