@@ -58,6 +58,15 @@ def stateless_calls(sidecar) -> float:
     return sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream")
 
 
+def stream_equals_coupled(sset, sidecar, path: str, body: dict[str, Any], request_id: str, view) -> None:
+    """The stream through ``sidecar`` equals coupled's (run beside it) and made no stateless derender call."""
+    reference = in_background(lambda: post_raw(sset.url("coupled"), path, body, request_id))
+    before = stateless_calls(sidecar)
+    got = post_raw(sidecar.url, path, body, request_id)
+    assert view(got) == view(reference.result())
+    assert stateless_calls(sidecar) == before
+
+
 @pytest.mark.parity
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("case", list(CHAT_CASES))
@@ -67,12 +76,8 @@ def test_chat_stream_matrix_through_sessions(lane_set, forcer, lane_session_side
     whatever ``derender_sessions`` says: test_parity_matrix.py's chained path is that path;
     ``test_batch_answers_take_the_stateless_endpoints`` checks it here.)"""
     body = chat_request(forcer, case, True, n)
-    request_id = f"session-{case}-{n}"
-    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, request_id))
-    before = stateless_calls(lane_session_sidecar)
-    got = post_raw(lane_session_sidecar.url, "/v1/chat/completions", body, request_id)
-    assert chat_stream_full_view(got) == chat_stream_full_view(reference.result())
-    assert stateless_calls(lane_session_sidecar) == before
+    stream_equals_coupled(lane_set, lane_session_sidecar, "/v1/chat/completions", body, f"session-{case}-{n}",
+                          chat_stream_full_view)
 
 
 @pytest.mark.parity
@@ -83,12 +88,8 @@ def test_completions_stream_matrix_through_sessions(lane_set, forcer, lane_sessi
     server on each vLLM lane, with no stateless derender call."""
     body = {**COMPLETION_CASES[case](forcer), "stream": True, "n": n}
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": body.pop("continuous_usage", False)}
-    request_id = f"session-completions-{case}-{n}"
-    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/completions", body, request_id))
-    before = stateless_calls(lane_session_sidecar)
-    got = post_raw(lane_session_sidecar.url, "/v1/completions", body, request_id)
-    assert completion_stream_full_view(got) == completion_stream_full_view(reference.result())
-    assert stateless_calls(lane_session_sidecar) == before
+    stream_equals_coupled(lane_set, lane_session_sidecar, "/v1/completions", body, f"session-completions-{case}-{n}",
+                          completion_stream_full_view)
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
