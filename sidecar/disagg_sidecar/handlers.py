@@ -198,6 +198,7 @@ async def live(request: web.Request) -> web.Response:
 
 
 SIGTERM_ALLOWANCE_SECONDS = 5.0  # kubelet signals the sidecar and runs the hook at about the same time
+MAX_DRAINED_WAITERS = 4  # kubelet sends one; an open path must not let anyone hold many connections
 
 
 async def drained(request: web.Request) -> web.Response:
@@ -205,14 +206,20 @@ async def drained(request: web.Request) -> web.Response:
     ``objects/deployments.py``): answers once this sidecar is stopping and nothing it serves is in
     flight, so kubelet signals vLLM only when no leg can reach it any more (at most the sidecar's
     ``limits.stop_seconds``: it stops then). Asked while the sidecar is not stopping, it answers 409
-    after ``SIGTERM_ALLOWANCE_SECONDS`` (the hook's request may come before the sidecar's SIGTERM)."""
+    after ``SIGTERM_ALLOWANCE_SECONDS`` (the hook's request may come before the sidecar's SIGTERM);
+    beyond ``MAX_DRAINED_WAITERS`` at once, 429 at once."""
     state = request.app[STATE]
+    if state.drained_waiters >= MAX_DRAINED_WAITERS:
+        raise SidecarError(429, f"{MAX_DRAINED_WAITERS} requests already wait on /health/drained")
+    state.drained_waiters += 1
     try:
         await asyncio.wait_for(state.stopping.wait(), SIGTERM_ALLOWANCE_SECONDS)
+        await state.drained.wait()
     except asyncio.TimeoutError:
         raise SidecarError(409, "this sidecar is not stopping: /health/drained is the decode engine's "
                                 "preStop hook") from None
-    await state.drained.wait()
+    finally:
+        state.drained_waiters -= 1
     return web.json_response({"status": "drained"})
 
 

@@ -48,6 +48,7 @@ class SidecarState:
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # SIGTERM came (``draining`` is set)
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # nothing in flight any more: vLLM may stop
+    drained_waiters: int = 0  # requests waiting on /health/drained (handlers.drained)
 
     def __post_init__(self) -> None:
         self.budget = MemoryBudget(self.config.limits.memory_budget_bytes)

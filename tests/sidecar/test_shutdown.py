@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from disagg_sidecar import wire
-from disagg_sidecar.handlers import SIGTERM_ALLOWANCE_SECONDS
+from disagg_sidecar.handlers import MAX_DRAINED_WAITERS, SIGTERM_ALLOWANCE_SECONDS
 
 from tests.sidecar.support import SERVED, FakeEngine, fake_config, fake_engine, sidecar_process, wait_for
 
@@ -81,17 +81,24 @@ def _get_in_background(url: str) -> tuple[dict, threading.Thread]:
 
 def test_drained_answers_the_engines_prestop_hook_once_nothing_is_in_flight(engine: FakeEngine, tmp_path: Path) -> None:
     """``GET /health/drained`` (decode vLLM's preStop hook): 409 in OpenAI's shape while the sidecar
-    is not stopping; after SIGTERM, 200 only once the deregister window is over and the request in
-    flight has been answered, before the sidecar exits."""
+    is not stopping, 429 at once past the few it lets wait; after SIGTERM, 200 only once the
+    deregister window is over and the request in flight has been answered, before the sidecar exits."""
     window, slow = 1.0, 4.0
     engine.delay[wire.CHAT_RENDER] = slow  # a request that stays in flight past the window
     config = fake_config(engine, limits={"deregister_seconds": window, "drain_seconds": 30,
                                          "health_interval_seconds": 0.5})
     with sidecar_process(config, tmp_path) as sidecar:
         asked = time.monotonic()
-        early = requests.get(sidecar.url + wire.DRAINED, timeout=30)
-        assert early.status_code == 409 and "not stopping" in early.json()["error"]["message"], early.text
-        assert time.monotonic() - asked >= SIGTERM_ALLOWANCE_SECONDS - 0.5
+        early = [_get_in_background(sidecar.url + wire.DRAINED) for _ in range(MAX_DRAINED_WAITERS + 1)]
+        for _, thread in early:
+            thread.join(30)
+        answers = sorted((got["status"], got["at"] - asked, got["body"]["error"]["message"]) for got, _ in early)
+        assert [status for status, _, _ in answers] == [409] * MAX_DRAINED_WAITERS + [429], answers
+        for status, after, message in answers:
+            if status == 409:  # waited for a SIGTERM that did not come
+                assert "not stopping" in message and after >= SIGTERM_ALLOWANCE_SECONDS - 0.5
+            else:  # one too many: at once
+                assert "already wait" in message and after < SIGTERM_ALLOWANCE_SECONDS - 0.5
 
         chat: dict = {}
         in_flight = threading.Thread(target=lambda: chat.update(
