@@ -21,7 +21,7 @@ from disagg_engine.servers import ServerSpec, free_port, start_all
 from disagg_engine.testing.server_set import ENGINE_ENV, ROLE_ENV, ROLES, ServerSet, role_argv
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.harness.engine import _attached_set
-from tests.sidecar.support import LoopThread, SidecarProcess, sidecar_config, sidecar_process
+from tests.sidecar.support import LoopThread, SidecarProcess, serve_every_path, sidecar_config, sidecar_process
 
 __all__ = ["counting_proxy", "server_set", "sidecar", "sidecar_config", "traffic"]
 
@@ -113,12 +113,7 @@ def counting_proxy(target: str) -> Iterator[CountingProxy]:
                     pass
                 return out
 
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", forward)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner, client
+        return await serve_every_path(forward, port), client
 
     runner, client = lt.run(start())
     proxy.url = f"http://127.0.0.1:{port}"

@@ -146,8 +146,5 @@ def stop_all(servers: Iterable[ManagedServer]) -> None:
     """Stop every server at once: a vLLM server takes seconds to shut down, and they do not wait
     on one another."""
     servers = list(servers)
-    if len(servers) > 1:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda server: server.stop(), servers))
-    elif servers:
-        servers[0].stop()
+    with ThreadPoolExecutor(max(1, len(servers))) as pool:
+        list(pool.map(ManagedServer.stop, servers))

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,13 +183,7 @@ def recording_proxy(target: str, delay: float = 0.0) -> Iterator[RecordingProxy]
                 await out.write_eof()
                 return out
 
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", forward)
-        # handler_cancellation: a caller that hangs up (a leg timeout) is not forwarded afterwards.
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner, session
+        return await serve_every_path(forward, port), session
 
     runner, session = lt.run(start())
     proxy.url = f"http://127.0.0.1:{port}"
@@ -252,6 +246,19 @@ REFUSED = json.dumps({"error": {"message": "refused by the fake engine", "type":
                                 "param": None, "code": 400}}).encode()
 
 
+async def serve_every_path(handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                           port: int) -> web.AppRunner:
+    """``handler`` for every method and path on 127.0.0.1:``port`` (bodies up to 64 MiB). With
+    handler_cancellation, a caller that hangs up cancels its handler: a delayed answer or a
+    forwarded call does not outlive it (no task left at close)."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
 @dataclass
 class FakeEngine:
     """An upstream that records every request and answers every POST with an OpenAI-shaped 400
@@ -291,16 +298,7 @@ def fake_engine() -> Iterator[FakeEngine]:
             return web.Response(status=404)
         return web.Response(status=400, body=REFUSED, content_type="application/json")
 
-    async def start() -> web.AppRunner:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", handle)
-        # handler_cancellation: a delayed answer ends when its client gives up (no task left at close)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    runner = lt.run(start())
+    runner = lt.run(serve_every_path(handle, port))
     engine.url = f"http://127.0.0.1:{port}"
     try:
         yield engine
