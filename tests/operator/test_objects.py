@@ -146,6 +146,15 @@ def test_probes_target_named_ports(plan: Plan) -> None:
             assert "readinessProbe" in c
 
 
+def test_engines_get_their_whole_start_up_budget_probed_every_two_seconds(plan: Plan) -> None:
+    """A short startup period (Ready soon after the engine is) without cutting the pool's budget."""
+    templates = pod_templates(objects_of(plan))
+    for pool in plan.pools:
+        startup = container(templates[pool.name], names.VLLM_CONTAINER)["startupProbe"]
+        assert startup["periodSeconds"] == 2
+        assert startup["periodSeconds"] * startup["failureThreshold"] == pool.startup_seconds
+
+
 def test_engines_outlive_what_still_sends_to_them_when_a_pod_terminates(plan: Plan) -> None:
     """kubelet signals every container of a terminating pod at once: decode's vLLM waits in its
     preStop hook for the sidecar beside it to drain (its ``/health/drained``, on the sidecar's port

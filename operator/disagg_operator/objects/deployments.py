@@ -20,6 +20,9 @@ CACHE_DIR = "/var/cache/disagg"  # writable scratch (emptyDir): HOME of the engi
 TMP_DIR = "/tmp"  # Triton, CUDA and FlashInfer caches under ~ land on it; /tmp: torch compile, vLLM IPC
 NON_ROOT_UID = 1000
 DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+# A refused connection costs nothing while vLLM loads; a short period lets a pod go Ready about
+# when its engine does (a 10 s period waited 5 s on average after every start).
+STARTUP_PERIOD = 2
 DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced (> stop_seconds)
 
 # Every container (engines of all pools, the sidecar): non-root, no privilege escalation, no
@@ -82,7 +85,8 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
         "ports": ports,
         "env": env,
         "volumeMounts": mounts,
-        "startupProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, max(1, pool.startup_seconds // 10), https=https),
+        "startupProbe": _probe(pool.health_path, names.ENGINE_PORT, STARTUP_PERIOD,
+                               max(1, pool.startup_seconds // STARTUP_PERIOD), https=https),
         "readinessProbe": _probe(pool.health_path, names.ENGINE_PORT, 5, 3, https=https),
         "livenessProbe": _probe(pool.health_path, names.ENGINE_PORT, 10, 6, timeout=5, https=https),
     }
