@@ -6,8 +6,9 @@ chat or completions stream's parser and detokenizer state for the stream's life:
 opens one session per streamed prompt on one endpoint (one HTTP exchange, so it stays pinned),
 writes each generate chunk into its body as it arrives and relays the events it answers with
 (chat: inline-derender events; completions: ``text_completion`` chunks). Per call nothing
-is replayed, so no coalescing is needed to bound the cost; chunks that arrive while the body's
-writer waits on the connection are still merged (back-pressure only).
+is replayed, so no coalescing is needed to bound the cost. Chunks that arrive while the body's
+writer waits on the connection go out in one write, each still its own line: vLLM's streaming
+tool parsers answer several tokens in one delta differently from the same tokens one by one.
 
 Only a derender tier that may offer sessions is asked (``engine.derender_sessions``, which the
 operator sets from the spec). If the session cannot be opened (no endpoint offers sessions, the
@@ -188,25 +189,19 @@ class SessionDerender:
             await self._wake.wait()
             self._wake.clear()
             batch, self._pending = self._pending, []
-            for line in self._merged(batch):
-                yield line
+            if batch:
+                yield self._rows(batch)
             if self._closed and not self._pending:
                 return
 
-    def _merged(self, batch: list[streaming.Chunk]) -> list[bytes]:
-        """Runs of one choice's chunks as one line each (chunks that queued behind a slow write).
-        Recorded before they are written: a line not answered yet is resent if the session fails."""
-        out: list[bytes] = []
-        run: list[streaming.Chunk] = []
-        for chunk in [*batch, None]:
-            if run and (chunk is None or streaming.choice_index(chunk) != streaming.choice_index(run[0])):
-                merged = streaming.merge_chunks(run)
-                self._lines.setdefault(streaming.choice_index(merged) or 0, []).append(merged)
-                out.append(streaming.dumps(session_row(merged)) + b"\n")
-                run = []
-            if chunk is not None:
-                run.append(chunk)
-        return out
+    def _rows(self, batch: list[streaming.Chunk]) -> bytes:
+        """One line per chunk (see the module docstring), written together. Recorded before they
+        are written: a line not answered yet is resent if the session fails."""
+        out = []
+        for chunk in batch:
+            self._lines.setdefault(streaming.choice_index(chunk) or 0, []).append(chunk)
+            out.append(streaming.dumps(session_row(chunk)) + b"\n")
+        return b"".join(out)
 
     async def _relay(self, content: aiohttp.StreamReader) -> None:
         parser = streaming.SSEParser()
