@@ -41,7 +41,7 @@ ENABLE_SCALE_OUT = "--enable-scale-out"
 # Every spelling vLLM's parser accepts for them is listed (aliases, the --no- form of booleans):
 # tests/operator/test_vllm_flags.py checks this against vLLM's own parser.
 OWNED_FLAGS: tuple[str, ...] = (
-    "--host", "--port", "--model", "--served-model-name", "--revision", "--max-model-len",
+    "--host", "--port", "--model", "--served-model-name", "--revision", "--max-model-len", "--max-logprobs",
     "--chat-template", "--default-chat-template-kwargs", "--tool-call-parser", "--reasoning-parser",
     "--enable-auto-tool-choice", "--no-enable-auto-tool-choice", "--kv-transfer-config",
     "--tokens-only", "--no-tokens-only", "--enable-scale-out", "--no-enable-scale-out",
@@ -98,11 +98,24 @@ def revision_flags(revision: str | None) -> list[str]:
     return ["--revision", revision] if revision else []
 
 
-def model_flags(served_name: str, max_model_len: int | None) -> list[str]:
+def engine_max_logprobs(client_max: int) -> int:
+    """The engines' ``--max-logprobs`` for a client-facing maximum (``model.maxLogprobs``).
+
+    One more than clients may ask for: a completions client asking for ``logprobs: k`` sees the
+    sampled token beside the top k (k + 1 candidates), which the sidecar asks a generate engine for
+    as ``logprobs: k + 1`` and a derender tier must accept (docs/protocol.md §3). The sidecar
+    refuses more than ``client_max`` itself, as a coupled server would. -1 (the vocabulary) stays.
+    """
+    return client_max + 1 if client_max >= 0 else -1
+
+
+def model_flags(served_name: str, max_model_len: int | None, max_logprobs: int) -> list[str]:
+    """``max_logprobs``: the client-facing maximum (the engines get ``engine_max_logprobs`` of it)."""
     flags = ["--served-model-name", served_name]
     if max_model_len is not None:
         flags += ["--max-model-len", str(max_model_len)]
-    return flags
+    # One argument: a separate "-1" would read as an option to some argv readers.
+    return flags + [f"--max-logprobs={engine_max_logprobs(max_logprobs)}"]
 
 
 def chat_template_flags(template_path: str | None, default_kwargs: Mapping[str, Any] | None) -> list[str]:

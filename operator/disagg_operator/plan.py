@@ -153,7 +153,7 @@ def build_plan(
     inputs = PoolInputs(
         spec=spec, name=name, model=ModelSource.parse(m.source, m.revision), template=template, kv=kv,
         render_tier=render_tier, sidecar=dump_config(sidecar_cfg),
-        shared=tuple(engine_args.model_flags(m.served_name or name, m.max_model_len)),
+        shared=tuple(engine_args.model_flags(m.served_name or name, m.max_model_len, m.max_logprobs)),
         tokenize=tuple(engine_args.chat_template_flags(template.path if template else None,
                                                        m.default_chat_template_kwargs)),
         parse=tuple(engine_args.parser_flags(m.tool_call_parser, m.reasoning_parser, m.enable_auto_tool_choice)),

@@ -146,6 +146,11 @@ RULES: tuple[Rule, ...] = (
         lambda m: m.max_model_len is None or m.max_model_len > 0, ".maxModelLen",
     ),
     Rule(
+        "model.max-logprobs", "ModelSpec", "!has(self.maxLogprobs) || self.maxLogprobs >= -1",
+        "model.maxLogprobs must be -1 (the whole vocabulary) or at least 0",
+        lambda m: m.max_logprobs >= -1, ".maxLogprobs",
+    ),
+    Rule(
         "model.auto-tool-choice-needs-parser", "ModelSpec",
         "!self.enableAutoToolChoice || has(self.toolCallParser)",
         "model.enableAutoToolChoice needs model.toolCallParser (vLLM refuses to start without it)",

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from disagg_operator import engine_args, names
 from disagg_operator.spec import DisaggregatedModelSpec
 from disagg_sidecar.config import (
-    TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Exposition, Listen, Prefill, SidecarConfig,
-    StaticDiscovery, Tier, Timeouts,
+    TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Exposition, Limits, Listen, Prefill,
+    SidecarConfig, StaticDiscovery, Tier, Timeouts,
 )
 from disagg_sidecar.discovery_config import Discovery
 
@@ -111,7 +111,10 @@ def build(
         timeouts=Timeouts(connect_seconds=t.connect_seconds, render_seconds=t.render_seconds,
                           prefill_seconds=t.prefill_seconds, decode_seconds=t.decode_seconds),
         retries=router.retries, max_body_bytes=router.max_body_bytes,
+        # The engines run with one logprob candidate more than clients may ask for (engine_args.model_flags).
+        limits=Limits(max_logprobs=spec.model.max_logprobs),
         engine=Engine(vllm_version=spec.engine.vllm_version, extension=spec.engine.extension,
                       prefill_tokens_only=prefill_tokens_only, derender_sessions=derender_sessions,
+                      max_logprobs=engine_args.engine_max_logprobs(spec.model.max_logprobs),
                       features=EngineFeatures(**engine_args.vllm_features(spec.engine.vllm_version))),
     )

@@ -78,6 +78,10 @@ class ModelSpec(WireModel):
     )
     revision: ShortString | None = Field(None, description="Hugging Face revision (branch, tag or commit) for hf:// sources.")
     max_model_len: int | None = Field(None, description="Context length (--max-model-len); vLLM's default when unset.")
+    max_logprobs: int = Field(
+        20, description="Logprob candidates a client may ask for (logprobs, top_logprobs, prompt_logprobs), as vLLM's "
+        "--max-logprobs; -1: the whole vocabulary. Engines run with one more (the sampled token beside a completions "
+        "client's top k); the sidecar refuses more.")
     chat_template: ChatTemplate | None = Field(None, description="Overrides the model's own chat template.")
     default_chat_template_kwargs: KubeObject | None = Field(
         None, description="Default chat-template kwargs, e.g. {enable_thinking: false}."

@@ -32,11 +32,11 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
     retries: 1
     max_body_bytes: 16777216
     limits: {max_concurrent_requests: 512, deregister_seconds: 5, drain_seconds: 30, coalesce: true, max_n: 128, max_prompts: 64,
-             max_legs: 256, max_json_depth: 64, header_read_seconds: 10, body_read_seconds: 30}
+             max_legs: 256, max_json_depth: 64, header_read_seconds: 10, body_read_seconds: 30, max_logprobs: 20}
     engine:                              # the operator fills this from the spec
       vllm_version: 0.33.0
       extension: true                    # decode runs Disagg's engine extension
-      prefill_tokens_only: true
+      prefill_tokens_only: true          # max_logprobs: 21 (the engines' --max-logprobs)
       derender_sessions: false           # the render tier may offer derender sessions (default true)
       features: {generate_output_mode_derender: true, render_parse_context: true}
     auth:                                # optional API keys, files holding one key each
@@ -92,8 +92,7 @@ class Decode(_Model):
     url: str = Field(description="The vLLM engine in the same pod (serve --enable-scale-out).")
     capabilities: Capabilities | None = Field(
         None, description="Configured capabilities; None: derived from `engine.extension`.")
-    probe_capabilities: bool = Field(
-        True, description="Check them against GET /disagg/v1/capabilities when the engine serves it.")
+    probe_capabilities: bool = Field(True, description="Check them against GET /disagg/v1/capabilities if served.")
 
     @field_validator("url")
     @classmethod
@@ -134,15 +133,12 @@ class Prefill(_Model):
     selection: Literal["round-robin", "random", "least-requests", "prefix-affinity"] = "least-requests"
     affinity_block_tokens: int = Field(16, ge=1, description="prefix-affinity: tokens per hashed block (the "
                                                              "engines' KV block size, so hashes match their cache).")
-    affinity_load_bound_percent: int = Field(
-        DEFAULT_LOAD_BOUND_PERCENT, ge=100, description="prefix-affinity: of the last `affinity_window` prefill legs, "
-        "no endpoint takes more than this percentage of an even share (rounded up); a conversation whose endpoint "
-        "is at that cap moves.")
+    affinity_load_bound_percent: int = Field(DEFAULT_LOAD_BOUND_PERCENT, ge=100, description="prefix-affinity: of the "
+        "last `affinity_window` legs, no endpoint takes over this % of an even share (rounded up); its conversations move.")
     affinity_window: int = Field(DEFAULT_SHARE_WINDOW, ge=2, description="prefix-affinity: prefill legs the share "
                                  "bound counts (all legs while fewer were sent).")
-    trust_prefiller_header: bool = Field(
-        False, description="Honour x-prefiller-host-port when it names a current prefill endpoint; "
-                          "false: the header is stripped and ignored.")
+    trust_prefiller_header: bool = Field(False, description="Honour x-prefiller-host-port when it names a current "
+                                         "prefill endpoint; false: the header is stripped and ignored.")
     pool_port: int | None = Field(None, ge=1, le=65535, description="An InferencePool's target port: its endpoint "
                                   "picker names prefill pods at this port, meaning the prefill engine on that host.")
     failure_policy: Literal["fallback", "fail"] = "fallback"
@@ -166,8 +162,8 @@ class Timeouts(_Model):
 
 class Limits(_Model):
     max_concurrent_requests: int = Field(512, ge=1, description="More in flight: 503 with Retry-After.")
-    # A terminating pod leaves its Services' endpoints (and kube-proxy's rules) asynchronously:
-    # connections keep arriving for a moment after SIGTERM, and a closed listener would refuse them.
+    # A terminating pod leaves its Services' endpoints (and kube-proxy's rules) asynchronously: a closed
+    # listener would refuse the connections that keep arriving for a moment after SIGTERM.
     deregister_seconds: float = Field(5, ge=0, description="SIGTERM: keep accepting, readiness off, this long; "
                                                            "then drain. 0 without a Service (local mode).")
     drain_seconds: float = Field(30, ge=0, description="After deregister_seconds: how long in-flight requests may finish.")
@@ -184,6 +180,8 @@ class Limits(_Model):
     memory_budget_bytes: int = Field(256 << 20, ge=16 << 20, description="Bodies in the sidecar, 4 bytes per "
                                                                          "body byte; beyond: 503 + Retry-After.")
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
+    max_logprobs: int | None = Field(None, ge=-1, description="Logprob candidates a client may ask for (refused as "
+                                     "vLLM's --max-logprobs does); None: the engines' own limit; -1: any.")
 
     @property
     def stop_seconds(self) -> float:
@@ -237,6 +235,8 @@ class Engine(_Model):
         True, description="The derender tier may run derender sessions (the engine extension on a render tier that "
         "has them): a chained chat or completions stream asks its endpoints (GET /disagg/v1/capabilities) and uses one that "
         "offers them. false: never asked, every chained stream is stateless.")
+    max_logprobs: int = Field(20, ge=-1, description="The engines' --max-logprobs: completions legs ask for one "
+                              "candidate more than the client while it fits (the sampled token's room); -1: any.")
     features: EngineFeatures = Field(default_factory=EngineFeatures)
 
 

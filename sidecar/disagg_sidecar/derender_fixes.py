@@ -82,9 +82,6 @@ def normalise_chat_response(resp: dict[str, Any], generate_usage: Mapping[str, A
 
 # -- logprob candidates -------------------------------------------------------------------------
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: no request may ask for more candidates
-
-
 def trim_top_logprobs(logprobs: Any, k: int) -> Any:
     """Chat logprobs with ``top_logprobs`` cut to the client's ``k`` (coupled: the first k)."""
     if not isinstance(logprobs, Mapping) or not logprobs.get("content"):
@@ -93,9 +90,10 @@ def trim_top_logprobs(logprobs: Any, k: int) -> Any:
                                     for e in logprobs["content"]]}
 
 
-def with_candidate_headroom(gen: Mapping[str, Any]) -> dict[str, Any]:
+def with_candidate_headroom(gen: Mapping[str, Any], engine_max: int) -> dict[str, Any]:
     """Render's answer for a completions prompt, asking the decode engine for one logprob candidate
-    more than the client's k (while that stays within vLLM's default ``--max-logprobs``).
+    more than the client's k while that stays within the engines' ``--max-logprobs`` (``engine_max``,
+    -1: any; the operator runs them with one more than clients may ask for).
 
     Coupled ``/v1/completions`` shows the sampled token and the top k: k + 1 candidates, or k when
     the sampled token is among the top k. vLLM 0.32's generate keeps only the first k candidates it
@@ -104,7 +102,7 @@ def with_candidate_headroom(gen: Mapping[str, Any]) -> dict[str, Any]:
     """
     sp = gen.get(wire.SAMPLING_PARAMS)
     k = sp.get("logprobs") if isinstance(sp, Mapping) else None
-    if type(k) is not int or not 0 <= k < MAX_LOGPROBS:
+    if type(k) is not int or k < 0 or (engine_max >= 0 and k >= engine_max):
         return dict(gen)
     return {**gen, wire.SAMPLING_PARAMS: {**sp, "logprobs": k + 1}}
 

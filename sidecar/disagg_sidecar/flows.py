@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg_sidecar import chained, derender_fixes, legs, plan, responses, wire
+from disagg_sidecar import chained, derender_fixes, legs, plan, requestlimits, responses, wire
 from disagg_sidecar.clientstream import SSEWriter, run_stream
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.context import Context
@@ -50,12 +50,18 @@ class Flows:
             derive_finish_reason=not self.config.engine.features.derender_finish_reason, index_offset=index_offset,
         )
 
+    def _checked(self, gen: dict[str, Any]) -> dict[str, Any]:
+        """A GenerateRequest within the client's logprob limit (render does not check it; the engines
+        would, but run with one candidate more)."""
+        requestlimits.check_logprobs(gen.get(wire.SAMPLING_PARAMS), self.config.limits.max_logprobs)
+        return gen
+
     # -- chat --------------------------------------------------------------------------------------
 
     async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
         created = int(time.time())
         decode_plan = plan.decode_plan("chat", body, self.capabilities())
-        gen = legs.rendered(await self.pools.call("render", wire.CHAT_RENDER, raw, ctx))
+        gen = self._checked(legs.rendered(await self.pools.call("render", wire.CHAT_RENDER, raw, ctx)))
         decode_plan = plan.fit_to_render(decode_plan, gen)
         prefilled = await self.pools.prefill(gen, ctx)
         kv = prefilled.kv
@@ -88,7 +94,7 @@ class Flows:
                           ctx: Context) -> web.StreamResponse:
         created = int(time.time())
         decode_plan = plan.decode_plan("completions", body, self.capabilities())
-        gens = [derender_fixes.with_candidate_headroom(legs.rendered(g))
+        gens = [derender_fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
                 for g in await self.pools.call("render", wire.COMPLETIONS_RENDER, raw, ctx)]
         n = int(body.get("n") or 1)
         response_id = f"cmpl-{ctx.request_id}"
@@ -136,6 +142,7 @@ class Flows:
 
     async def generate(self, request: web.Request, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
         """The client's own GenerateRequest: prefill leg rewritten, decode answer passed through."""
+        self._checked(body)
         return await self.decoder.passthrough(request, body, (await self.pools.prefill(body, ctx)).kv, ctx)
 
 

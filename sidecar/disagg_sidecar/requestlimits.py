@@ -47,3 +47,19 @@ def check(api: str, body: Mapping[str, Any], limits: Limits) -> None:
         raise bad_request(f"the request needs {total} engine legs (1 render + {prompts} prompt(s) x (1 prefill + "
                           f"{n} decode sequences)); this server allows at most {limits.max_legs} "
                           "(limits.max_legs)", "n")
+
+
+def check_logprobs(sampling_params: Any, limit: int | None) -> None:
+    """Refuse what vLLM's ``SamplingParams._validate_logprobs`` refuses past ``--max-logprobs``, with its
+    message: the engines run with one candidate more than clients may ask for (config
+    ``engine.max_logprobs``), so the client's limit is the sidecar's to apply. ``sampling_params`` is
+    render's (or a GenerateRequest client's); -1 asks for the whole vocabulary, which vLLM names by
+    its size and the sidecar cannot."""
+    if limit is None or limit < 0 or not isinstance(sampling_params, Mapping):
+        return
+    for key, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        k = sampling_params.get(key)
+        if type(k) is int and (k > limit or k == -1):
+            asked = "the whole vocabulary (-1)" if k == -1 else k
+            raise bad_request(f"Requested {what} logprobs of {asked}, which is greater than max allowed: {limit} "
+                              f"(parameter={key}, value={k})", key)

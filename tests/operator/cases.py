@@ -70,6 +70,7 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("distinct-ports", {"router": {"port": 8200}}, "spec.router.port"),
     Invalid("model.source", model(source="s3://bucket/qwen"), "spec.model.source"),
     Invalid("model.max-model-len", model(maxModelLen=0), "spec.model.maxModelLen"),
+    Invalid("model.max-logprobs", model(maxLogprobs=-2), "spec.model.maxLogprobs"),
     Invalid("model.auto-tool-choice-needs-parser", model(enableAutoToolChoice=True), "spec.model.enableAutoToolChoice"),
     Invalid("model.engine-args", model(engineArgs=["--dtype", "bfloat16", "--port=9000"]), "spec.model.engineArgs",
             says=f"model.engineArgs must not set --port: {OWNED}"),

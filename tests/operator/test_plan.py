@@ -208,6 +208,19 @@ def test_a_plan_is_reusable_by_local_processes() -> None:
     assert flags(argv(custom, Role.RENDER))["--chat-template"] == "/tmp/t.jinja"
 
 
+@pytest.mark.parametrize(("client_max", "engines"), [(None, "21"), (5, "6"), (0, "1"), (-1, "-1")])
+def test_engines_allow_one_logprob_candidate_more_than_clients_and_the_sidecar_refuses_the_rest(
+        client_max: int | None, engines: str) -> None:
+    """Completions show the sampled token beside the top k: the engines need room for k + 1."""
+    spec = full_spec() if client_max is None else merged(full_spec(), {"model": {"maxLogprobs": client_max}})
+    plan = plan_of(spec)
+    assert {str(p.role): flags(argv(plan, p.role))["--max-logprobs"] for p in plan.pools} == dict.fromkeys(
+        ("prefill", "decode", "render", "derender"), engines)
+    config = sidecar_file(plan)
+    assert (config["limits"]["max_logprobs"], config["engine"]["max_logprobs"]) == (
+        20 if client_max is None else client_max, int(engines))
+
+
 # --- which pools a change rolls ------------------------------------------------------------------
 
 ROLLS = [
@@ -217,6 +230,7 @@ ROLLS = [
     ("template kwargs", {"model": {"defaultChatTemplateKwargs": {"enable_thinking": True}}},
      {"decode", "render", "derender"}),
     ("max model len", {"model": {"maxModelLen": 16384}}, {"prefill", "decode", "render", "derender"}),
+    ("max logprobs", {"model": {"maxLogprobs": 5}}, {"prefill", "decode", "render", "derender"}),
     ("prefill replicas", {"pools": {"prefill": {"replicas": 3}}}, set()),
     ("decode replicas", {"pools": {"decode": {"replicas": 5}}}, set()),
     ("render autoscaling", {"pools": {"render": {"autoscaling": {"maxReplicas": 4}}}}, set()),

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.sidecar.support import RunningSidecar, run_sidecar, sidecar_config
+from tests.sidecar.support import CLIENT_MAX_LOGPROBS, RunningSidecar, run_sidecar, sidecar_config
 
 TOKENS_ONLY = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
 # The operator's default prefill selection (router.prefillSelection): the parity sidecars run it.
@@ -59,7 +59,10 @@ def lane_chained_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
 
 @pytest.fixture(scope="session")
 def lane_stock_sidecar(lane_set, forcer) -> Iterator[RunningSidecar]:
-    with run_sidecar(sidecar_config(lane_set, decode={"url": lane_set.url("coupled")}, **DEPLOYED_SELECTION)) as sidecar:
+    # The coupled server as a stock decode engine: vLLM's default --max-logprobs.
+    config = sidecar_config(lane_set, decode={"url": lane_set.url("coupled")}, engine={"max_logprobs": CLIENT_MAX_LOGPROBS},
+                            **DEPLOYED_SELECTION)
+    with run_sidecar(config) as sidecar:
         yield sidecar
 
 

@@ -28,7 +28,7 @@ import yaml
 from aiohttp import web
 
 from disagg_engine.servers import free_port
-from disagg_operator.engine_args import vllm_features
+from disagg_operator.engine_args import engine_max_logprobs, vllm_features
 from disagg_sidecar.app import build_app
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.server import SidecarRunner
@@ -69,13 +69,16 @@ class RunningSidecar:
 LANE_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0"}
 
 
+CLIENT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: the coupled server's (server_set.MAX_LOGPROBS_FLAGS)
+
+
 def lane_engine(sset) -> dict[str, Any]:
     """The ``engine`` section the operator writes for the set's vLLM version (decode with the
     extension), with a stateless derender tier (the session tests turn ``derender_sessions`` on:
     the 0.33 set's render offers sessions, and the chained-path tests test the stateless path)."""
     version = LANE_VERSIONS[sset.vllm_lane]
     return {"vllm_version": version, "extension": True, "prefill_tokens_only": True, "derender_sessions": False,
-            "features": vllm_features(version)}
+            "features": vllm_features(version), "max_logprobs": engine_max_logprobs(CLIENT_MAX_LOGPROBS)}
 
 
 def sidecar_config(sset, **overrides: Any) -> dict[str, Any]:
@@ -88,6 +91,7 @@ def sidecar_config(sset, **overrides: Any) -> dict[str, Any]:
         "prefill": {"mode": "remote", "discovery": {"kind": "static", "urls": [sset.url("prefill")]}},
         "kv_connector": "ExampleConnector",
         "engine": lane_engine(sset),
+        "limits": {"max_logprobs": CLIENT_MAX_LOGPROBS},
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):

@@ -132,6 +132,24 @@ def test_request_limits() -> None:
     assert requestlimits.legs(prompts=3, n=2, rendered=True) == 10
 
 
+def test_logprob_limit_is_vllms_rule_and_message() -> None:
+    def refused(sampling: dict, limit: int) -> SidecarError:
+        with pytest.raises(SidecarError) as info:
+            requestlimits.check_logprobs(sampling, limit)
+        return info.value
+
+    for ok, limit in (({"logprobs": 20, "prompt_logprobs": 20}, 20), ({"logprobs": 0}, 0), ({"logprobs": 500}, None),
+                      ({"logprobs": -1}, -1), ({"logprobs": None, "max_tokens": 5}, 20)):
+        requestlimits.check_logprobs(ok, limit)
+    requestlimits.check_logprobs(None, 20)
+    error = refused({"logprobs": 21, "prompt_logprobs": 30}, 20)  # vLLM checks the sample logprobs first
+    assert (error.status, json.loads(error.body)["error"]) == (400, {
+        "message": "Requested sample logprobs of 21, which is greater than max allowed: 20 (parameter=logprobs, value=21)",
+        "type": "BadRequestError", "param": "logprobs", "code": 400})
+    assert json.loads(refused({"prompt_logprobs": 21}, 20).body)["error"]["param"] == "prompt_logprobs"
+    assert "the whole vocabulary (-1)" in refused({"logprobs": -1}, 20).message
+
+
 def test_memory_budget_reservations() -> None:
     budget = MemoryBudget(100)
     a, b = Reservation(budget), Reservation(budget)

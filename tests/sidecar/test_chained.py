@@ -209,8 +209,13 @@ def test_completion_candidates_are_the_sampled_token_and_the_top_k() -> None:
     assert [len(e["top_logprobs"]) for e in derender_fixes.completion_candidates(gen, 0)["choices"][0]["logprobs"]["content"]] == [1] * 5
 
 
-def test_completions_ask_the_engine_for_one_candidate_more() -> None:
+def test_completions_ask_the_engine_for_one_candidate_more_while_the_engines_allow_it() -> None:
     gen = {"token_ids": [1], "sampling_params": {"logprobs": 2, "max_tokens": 5}}
-    assert derender_fixes.with_candidate_headroom(gen)["sampling_params"] == {"logprobs": 3, "max_tokens": 5}
-    assert derender_fixes.with_candidate_headroom({**gen, "sampling_params": {"logprobs": 20}})["sampling_params"]["logprobs"] == 20
-    assert "logprobs" not in derender_fixes.with_candidate_headroom({"sampling_params": {"max_tokens": 5}})["sampling_params"]
+    headroom = derender_fixes.with_candidate_headroom
+    assert headroom(gen, 21)["sampling_params"] == {"logprobs": 3, "max_tokens": 5}
+    twenty = {**gen, "sampling_params": {"logprobs": 20}}
+    assert headroom(twenty, 21)["sampling_params"]["logprobs"] == 21
+    assert headroom(twenty, 20)["sampling_params"]["logprobs"] == 20  # engines at vLLM's default: no room
+    assert headroom(twenty, -1)["sampling_params"]["logprobs"] == 21
+    assert headroom({**gen, "sampling_params": {"logprobs": -1}}, 21)["sampling_params"]["logprobs"] == -1
+    assert "logprobs" not in headroom({"sampling_params": {"max_tokens": 5}}, 21)["sampling_params"]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import requests
 
 from tests.harness.forced import MULTIBYTE, OUTPUTS, Forcer
 from tests.harness.openai_views import (
@@ -26,7 +27,7 @@ from tests.harness.openai_views import (
 from tests.harness.overlap import in_background
 from disagg_sidecar import wire
 from tests.sidecar.conftest import TOKENS_ONLY
-from tests.sidecar.support import SERVED, recording_proxy, run_sidecar, sidecar_config
+from tests.sidecar.support import CLIENT_MAX_LOGPROBS, SERVED, recording_proxy, run_sidecar, sidecar_config
 from tests.sidecar.test_parity import (
     check_chat_shape,
     check_chat_stream_shape,
@@ -141,6 +142,7 @@ COMPLETION_CASES: dict[str, Case] = {
     # The sampled token and the top k per position (k + 1 candidates, or k when it is among them).
     "logprobs_0": _completion(MULTIBYTE, logprobs=0),
     "logprobs_5_token_ids": _completion(OUTPUTS["reasoning_tool_call"][0], logprobs=5, return_token_ids=True),
+    "logprobs_20_the_most": _completion(MULTIBYTE, logprobs=CLIENT_MAX_LOGPROBS),  # the engines run with 21
 }
 
 
@@ -160,6 +162,31 @@ def test_completions_matrix(lane_set, forcer, lane_inline_sidecar, lane_chained_
     want = view(reference.result())
     for path, answer in got.items():
         assert view(answer) == want, path
+
+
+PAST = CLIENT_MAX_LOGPROBS + 1
+TOO_MANY_LOGPROBS: dict[str, tuple[str, Case]] = {
+    "chat_top_logprobs": ("/v1/chat/completions", _chat("plain", logprobs=True, top_logprobs=PAST)),
+    "chat_prompt_logprobs": ("/v1/chat/completions", _chat("plain", prompt_logprobs=PAST)),
+    "completions_logprobs": ("/v1/completions", _completion(PLAIN, logprobs=PAST)),
+    "completions_prompt_logprobs": ("/v1/completions", _completion(PLAIN, prompt_logprobs=PAST)),
+    "generate": ("/inference/v1/generate", lambda f: {"token_ids": f.ids("Hi", eos=False), "stream": False,
+                                                      "sampling_params": {"max_tokens": 3, "logprobs": PAST}}),
+}
+
+
+@pytest.mark.parametrize("case", list(TOO_MANY_LOGPROBS))
+def test_more_logprobs_than_the_server_allows_are_refused_as_coupled_does(
+        lane_set, forcer, lane_inline_sidecar, lane_chained_sidecar, case: str) -> None:
+    """The engines behind the sidecar allow one candidate more than coupled's (the sampled
+    token's room); what a client may ask is still coupled's limit, refused in coupled's words."""
+    path, make = TOO_MANY_LOGPROBS[case]
+    body = make(forcer)
+    want = requests.post(lane_set.url("coupled") + path, json=body, timeout=60)
+    assert want.status_code == 400, want.text[:300]
+    for sidecar in (lane_inline_sidecar, lane_chained_sidecar):
+        got = requests.post(sidecar.url + path, json=body, timeout=60)
+        assert (got.status_code, got.json()) == (400, want.json())
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])

@@ -40,6 +40,10 @@ MAX_MODEL_LEN = 8192
 # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, whole GiB) costs each engine ~0.5 GB more RSS
 # (examples/local-tiny.yaml sizes its engines the same way).
 KV_CACHE_BYTES = 128 * 1024 * 1024
+# The Disagg tiers' --max-logprobs, as the operator sets it for vLLM's default of 20
+# (disagg_operator.engine_args.engine_max_logprobs): one candidate more than clients may ask for,
+# the room for the sampled token beside a completions client's top 20. Coupled keeps the default.
+MAX_LOGPROBS_FLAGS = ["--max-logprobs", "21"]
 ROLES = ("render", "prefill", "decode", "coupled")
 # The render tier runs the extension too: its derender sessions (disagg_engine.sessions).
 ROLE_ENV = {role: {"VLLM_PLUGINS": PLUGIN_NAME} for role in ("render", "prefill", "decode")}
@@ -68,9 +72,9 @@ def role_argv(role: str, model: Path, port: int, kv_dir: Path, extra: list[str] 
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
     kv = ["--kv-transfer-config", kv_config(kv_dir, kv_role)]
     argv = {
-        "render": RENDER + common + TEMPLATE_FLAGS + PARSER_FLAGS,
-        "prefill": SERVE + common + engine + ["--tokens-only"] + kv,
-        "decode": SERVE + common + engine + TEMPLATE_FLAGS + PARSER_FLAGS + ["--enable-scale-out"] + kv,
+        "render": RENDER + common + MAX_LOGPROBS_FLAGS + TEMPLATE_FLAGS + PARSER_FLAGS,
+        "prefill": SERVE + common + MAX_LOGPROBS_FLAGS + engine + ["--tokens-only"] + kv,
+        "decode": SERVE + common + MAX_LOGPROBS_FLAGS + engine + TEMPLATE_FLAGS + PARSER_FLAGS + ["--enable-scale-out"] + kv,
         "coupled": SERVE + common + engine + TEMPLATE_FLAGS + PARSER_FLAGS + ["--enable-scale-out"],
     }[role]
     return argv + list(extra or [])
