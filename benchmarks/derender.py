@@ -12,6 +12,7 @@ same round. The paths run alternately within each round."""
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from typing import Any
 
 from benchmarks.client import run_load
@@ -23,7 +24,7 @@ from disagg_engine.sessions import CHAT_SESSION_PATH
 from tests.harness.openai_views import chat_stream_view
 
 LENGTHS = (64, 256, 1024, 4096, 8192)
-PATHS = ("coupled", "inline", "chained", "chained_nocoalesce", "session")
+PATHS = ("coupled", "inline", "chained", "chained_nocoalesce", "session", "session_per_token")
 DERENDER = ("/v1/chat/completions/derender", CHAT_SESSION_PATH)  # stateless calls, sessions
 LOCAL_PREFILL = {"mode": "local", "discovery": None}
 # One derender call per token is slow (~10 ms of render CPU each here, more as n grows): longer
@@ -47,11 +48,14 @@ def run(ctx) -> dict[str, Any]:
             "inline": sidecar_config(sset, **tier),
             "chained": sidecar_config(sset, **tier, **stock, engine=stateless),
             "chained_nocoalesce": sidecar_config(sset, **tier, **stock, engine=stateless, limits={"coalesce": False}),
+            # The sidecar's default limits.session_stream_interval (decode sends up to 4 tokens a chunk),
+            # and a decode chunk per token: what the interval saves, and what it costs in gaps.
             "session": sidecar_config(sset, **tier, **stock, engine={"derender_sessions": True}),
+            "session_per_token": sidecar_config(sset, **tier, **stock, engine={"derender_sessions": True},
+                                                limits={"session_stream_interval": 1}),
         }
-        with sidecar(configs["inline"]) as s_inline, sidecar(configs["chained"]) as s_chained, \
-                sidecar(configs["chained_nocoalesce"]) as s_nocoal, sidecar(configs["session"]) as s_session:
-            side = {"inline": s_inline, "chained": s_chained, "chained_nocoalesce": s_nocoal, "session": s_session}
+        with ExitStack() as running:
+            side = {name: running.enter_context(sidecar(config)) for name, config in configs.items()}
             target = {"coupled": (sset.url("coupled"), {"api": pid["coupled"]})}
             for name, proc in side.items():
                 api = pid["decode"] if name == "inline" else pid["coupled"]
@@ -93,7 +97,7 @@ def run(ctx) -> dict[str, Any]:
                             - sum(moved["bytes_out"][p] + moved["bytes_in"][p] for p in derender),
                             "bytes_floor": floor[n],
                         })
-                        if name == "session" and moved["calls"].get(CHAT_SESSION_PATH) != 1:
+                        if name.startswith("session") and moved["calls"].get(CHAT_SESSION_PATH) != 1:
                             mismatches.append(f"round {r} n={n} session: {moved['calls']} (not one session)")
                         ctx.log(f"derender r{r} n={n} {name}: wall {s.latency:.2f}s chunks {s.chunks} "
                                 f"cpu {sum(cpu.values()):.2f}s calls {moved['calls']}")
@@ -154,5 +158,6 @@ def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[
     keys[f"session_client_chunks_ratio_{n}"] = med("session", "chunks_ratio")
     keys[f"session_bytes_ratio_{n}"] = med("session", "bytes_to_derender") / med("session", "bytes_floor")
     keys["session_bytes_per_token_growth"] = bytes_growth(table.get("session", {}))
+    keys[f"session_per_token_cpu_ratio_{n}"] = med("session_per_token", "cpu_ratio")
     return {"keys": keys, "lengths": lengths, "nocoalesce_max": NOCOALESCE_MAX, "table": table, "mismatches": mismatches,
             "outputs_equal_coupled": not mismatches}

@@ -29,7 +29,7 @@ def derender(result: dict[str, Any], out: Path) -> list[str]:
     for path, by_n in table.items():
         ns = sorted(by_n, key=int)
         _errorbar(cpu_ax, [int(n) for n in ns], [by_n[n]["cpu_total_s"] for n in ns], path)
-        if path.startswith("chained") or path == "session":
+        if path.startswith(("chained", "session")):
             _errorbar(bytes_ax, [int(n) for n in ns], [by_n[n]["bytes_to_derender"] for n in ns], path, 1 / 2**20)
     cpu_ax.set(xscale="log", yscale="log", xlabel="output tokens", ylabel="non-engine CPU (s)",
                title="CPU per request (coupled: API; others: API + sidecar + render)")

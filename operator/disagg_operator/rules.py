@@ -259,6 +259,11 @@ RULES: tuple[Rule, ...] = (
         lambda r: r.prefill_load_bound_percent >= 100, ".prefillLoadBoundPercent",
     ),
     Rule(
+        "router.session-stream-interval", "RouterSpec", "!has(self.sessionStreamInterval) || self.sessionStreamInterval >= 1",
+        "router.sessionStreamInterval must be at least 1",
+        lambda r: r.session_stream_interval is None or r.session_stream_interval >= 1, ".sessionStreamInterval",
+    ),
+    Rule(
         "router.min-prefill-tokens", "RouterSpec", "self.minPrefillTokens >= 0",
         "router.minPrefillTokens must not be negative", lambda r: r.min_prefill_tokens >= 0, ".minPrefillTokens",
     ),

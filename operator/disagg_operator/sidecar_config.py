@@ -112,7 +112,8 @@ def build(
                           prefill_seconds=t.prefill_seconds, decode_seconds=t.decode_seconds),
         retries=router.retries, max_body_bytes=router.max_body_bytes,
         # The engines run with one logprob candidate more than clients may ask for (engine_args.model_flags).
-        limits=Limits(max_logprobs=spec.model.max_logprobs),
+        limits=Limits(max_logprobs=spec.model.max_logprobs, **({"session_stream_interval": router.session_stream_interval}
+                                                                if router.session_stream_interval else {})),
         engine=Engine(vllm_version=spec.engine.vllm_version, extension=spec.engine.extension,
                       prefill_tokens_only=prefill_tokens_only, derender_sessions=derender_sessions,
                       max_logprobs=engine_args.engine_max_logprobs(spec.model.max_logprobs),

@@ -242,6 +242,9 @@ class RouterSpec(WireModel):
         "fallback", description="fallback: decode prefills locally when prefill fails; fail: return an error."
     )
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest accepted request body.")
+    session_stream_interval: int | None = Field(
+        None, description="Tokens per decode chunk of a stream derendered by a render-tier session (it splits them per "
+        "token again, so clients get coupled's chunks, in bursts of this many); unset: the sidecar's 4, 1: none.")
     service: RouterService = Field(default_factory=RouterService)
     resources: KubeObject | None = Field(
         None, description="Sidecar container resources; default requests 100m CPU and 128Mi, limit 512Mi: ~52 MiB "

@@ -31,8 +31,8 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
     timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600}
     retries: 1
     max_body_bytes: 16777216
-    limits: {max_concurrent_requests: 512, deregister_seconds: 5, drain_seconds: 30, coalesce: true, max_n: 128, max_prompts: 64,
-             max_legs: 256, max_json_depth: 64, header_read_seconds: 10, body_read_seconds: 30, max_logprobs: 20}
+    limits: {max_concurrent_requests: 512, deregister_seconds: 5, drain_seconds: 30, coalesce: true, session_stream_interval: 4,
+             max_n: 128, max_prompts: 64, max_legs: 256, max_json_depth: 64, header_read_seconds: 10, body_read_seconds: 30}
     engine:                              # the operator fills this from the spec
       vllm_version: 0.33.0
       extension: true                    # decode runs Disagg's engine extension
@@ -168,6 +168,7 @@ class Limits(_Model):
                                                            "then drain. 0 without a Service (local mode).")
     drain_seconds: float = Field(30, ge=0, description="After deregister_seconds: how long in-flight requests may finish.")
     coalesce: bool = Field(True, description="Merge generate chunks that arrive while a derender call is in flight.")
+    session_stream_interval: int = Field(4, ge=1, description="Tokens per decode chunk of a session-derendered stream.")
     keepalive_seconds: float = Field(4.0, gt=0, lt=5, description="Idle upstream connections; below vLLM's 5 s.")
     health_interval_seconds: float = Field(2.0, gt=0)
     # Bad and slow clients: each limit is refused with an error naming it (docs/security.md).
@@ -180,8 +181,7 @@ class Limits(_Model):
     memory_budget_bytes: int = Field(256 << 20, ge=16 << 20, description="Bodies in the sidecar, 4 bytes per "
                                                                          "body byte; beyond: 503 + Retry-After.")
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
-    max_logprobs: int | None = Field(None, ge=-1, description="Logprob candidates a client may ask for (refused as "
-                                     "vLLM's --max-logprobs does); None: the engines' own limit; -1: any.")
+    max_logprobs: int | None = Field(None, ge=-1, description="Logprobs a client may ask for; None: the engines' limit.")
 
     @property
     def stop_seconds(self) -> float:

@@ -51,8 +51,8 @@ class Decoder:
         while True:
             self.metrics.output_modes.labels(mode).inc()
             try:
-                async with self.up.decode(legs.decode_body(gen, kv, mode, decode_plan.context, chat_raw),
-                                          ctx.headers, ctx.inflight) as resp:
+                body = legs.decode_body(gen, kv, mode, decode_plan.context, chat_raw, self._stream_interval())
+                async with self.up.decode(body, ctx.headers, ctx.inflight) as resp:
                     if resp.status == 200:
                         return mode, await read(resp, mode)
                     status, raw = resp.status, await resp.read()
@@ -63,6 +63,11 @@ class Decoder:
             log.warning("decode engine rejected output_mode=%s, chaining instead: %s", mode, raw[:300])
             self.metrics.mode_fallbacks.labels(mode).inc()
             mode = "tokens"
+
+    def _stream_interval(self) -> int:
+        """Tokens per chunk of a streamed tokens leg: a derender session splits them per token again,
+        so fewer, larger chunks cost the decode API and the sidecar less (``sessions``)."""
+        return self.config.limits.session_stream_interval if self.config.engine.derender_sessions else 1
 
     def error(self, status: int, raw: bytes) -> SidecarError:
         """A decode engine's non-200 answer before the first byte: its 4xx as it said it; a 5xx

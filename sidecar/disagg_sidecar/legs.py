@@ -87,15 +87,21 @@ def client_decode_leg(body: Mapping[str, Any], kv_transfer_params: Mapping[str, 
 
 
 def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None, mode: wire.OutputMode,
-                context: wire.ContextForm | None, chat_raw: bytes | None) -> bytes:
+                context: wire.ContextForm | None, chat_raw: bytes | None, stream_interval: int = 1) -> bytes:
     """The decode leg of an OpenAI request, serialised; with ``derender``, the parser context is
     the client's request (spliced in as its own bytes) or render's ``parse_context``. A ``tokens``
     leg without stop strings is not detokenized: the derender tier makes the text, and the decode
-    engine's detokenizer would only cost its API process CPU per token (stop strings need it)."""
+    engine's detokenizer would only cost its API process CPU per token (stop strings need it).
+    A streamed ``tokens`` leg sends at least ``stream_interval`` tokens per chunk (vLLM's
+    ``SamplingParams.stream_interval``; the first token and the end at once)."""
     slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
     leg = decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim)
-    if mode == "tokens" and not leg[wire.SAMPLING_PARAMS].get("stop"):
-        leg[wire.SAMPLING_PARAMS]["detokenize"] = False
+    sampling = leg[wire.SAMPLING_PARAMS]
+    if mode == "tokens" and not sampling.get("stop"):
+        sampling["detokenize"] = False
+    if mode == "tokens" and leg.get("stream") and stream_interval > 1:
+        asked = sampling.get("stream_interval")
+        sampling["stream_interval"] = max(asked if type(asked) is int else 1, stream_interval)
     body = dumps(leg)
     if mode == "derender" and context == "chat_request" and chat_raw is not None:
         body = with_raw_field(body, wire.CHAT_REQUEST, chat_raw)

@@ -6,9 +6,11 @@ chat or completions stream's parser and detokenizer state for the stream's life:
 opens one session per streamed prompt on one endpoint (one HTTP exchange, so it stays pinned),
 writes each generate chunk into its body as it arrives and relays the events it answers with
 (chat: inline-derender events; completions: ``text_completion`` chunks). Per call nothing
-is replayed, so no coalescing is needed to bound the cost. Chunks that arrive while the body's
-writer waits on the connection go out in one write, each still its own line: vLLM's streaming
-tool parsers answer several tokens in one delta differently from the same tokens one by one.
+is replayed, so no coalescing is needed to bound the cost. Each token is its own line, also when
+the decode engine sent several in one chunk (``limits.session_stream_interval`` asks it to, to
+spare its API process and the sidecar events) or several chunks queued behind a slow write (they
+go out in one write): vLLM's streaming tool parsers answer several tokens in one delta
+differently from the same tokens one by one, and coupled sends a delta per token.
 
 Only a derender tier that may offer sessions is asked (``engine.derender_sessions``, which the
 operator sets from the spec). If the session cannot be opened (no endpoint offers sessions, the
@@ -195,12 +197,13 @@ class SessionDerender:
                 return
 
     def _rows(self, batch: list[streaming.Chunk]) -> bytes:
-        """One line per chunk (see the module docstring), written together. Recorded before they
+        """One line per token (see the module docstring), written together. Recorded before they
         are written: a line not answered yet is resent if the session fails."""
         out = []
         for chunk in batch:
-            self._lines.setdefault(streaming.choice_index(chunk) or 0, []).append(chunk)
-            out.append(streaming.dumps(session_row(chunk)) + b"\n")
+            for line in streaming.per_token(chunk):
+                self._lines.setdefault(streaming.choice_index(line) or 0, []).append(line)
+                out.append(streaming.dumps(session_row(line)) + b"\n")
         return b"".join(out)
 
     async def _relay(self, content: aiohttp.StreamReader) -> None:

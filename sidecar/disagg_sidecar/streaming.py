@@ -96,6 +96,24 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
     return merged
 
 
+def per_token(chunk: Chunk) -> list[Chunk]:
+    """A one-choice generate chunk as one chunk per token (``merge_chunks`` undone): the end and
+    its reasons go with the last token, each logprob entry with its token."""
+    [choice] = chunk["choices"]
+    ids = choice.get("token_ids") or []
+    entries = (choice.get("logprobs") or {}).get("content") or []
+    if len(ids) < 2 or (entries and len(entries) != len(ids)):
+        return [chunk]
+    pieces = []
+    for i, token in enumerate(ids):
+        end = {k: choice.get(k) for k in ("finish_reason", "stop_reason")} if i == len(ids) - 1 else {}
+        piece = {**choice, "token_ids": [token], "finish_reason": None, "stop_reason": None, **end}
+        if entries:
+            piece["logprobs"] = {**choice["logprobs"], "content": [entries[i]]}
+        pieces.append({**chunk, "choices": [piece]})
+    return pieces
+
+
 # -- the chained streaming derender ----------------------------------------------------------
 
 DerenderCall = Callable[[Chunk, Any], Awaitable[tuple[Chunk, Any]]]

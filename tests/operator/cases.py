@@ -134,6 +134,7 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("router.timeouts", {"router": {"timeouts": {"prefillSeconds": 0}}}, "spec.router.timeouts"),
     Invalid("router.service-port", {"router": {"service": {"port": 0}}}, "spec.router.service.port"),
     Invalid("router.prefill-load-bound", {"router": {"prefillLoadBoundPercent": 99}}, "spec.router.prefillLoadBoundPercent"),
+    Invalid("router.session-stream-interval", {"router": {"sessionStreamInterval": 0}}, "spec.router.sessionStreamInterval"),
     Invalid("router.min-prefill-tokens", {"router": {"minPrefillTokens": -1}}, "spec.router.minPrefillTokens"),
     Invalid("endpoint-picker.port", {"router": {"inferencePool": {"enabled": True, "endpointPicker": {
         "name": "epp", "port": 70000}}}}, "spec.router.inferencePool.endpointPicker.port"),

@@ -221,6 +221,12 @@ def test_engines_allow_one_logprob_candidate_more_than_clients_and_the_sidecar_r
         20 if client_max is None else client_max, int(engines))
 
 
+def test_the_session_stream_interval_reaches_the_sidecar_only_when_set() -> None:
+    assert "session_stream_interval" not in sidecar_file(plan_of(full_spec()))["limits"]  # the sidecar's own 4
+    tuned = sidecar_file(plan_of(merged(full_spec(), {"router": {"sessionStreamInterval": 1}})))
+    assert tuned["limits"]["session_stream_interval"] == 1
+
+
 # --- which pools a change rolls ------------------------------------------------------------------
 
 ROLLS = [
@@ -237,6 +243,7 @@ ROLLS = [
     ("prefill args", {"pools": {"prefill": {"extraArgs": ["--max-num-batched-tokens", "8192"]}}}, {"prefill"}),
     ("derender workers", {"pools": {"derender": {"rendererWorkers": 2}}}, {"derender"}),
     ("router timeouts", {"router": {"timeouts": {"decodeSeconds": 60}}}, {"decode"}),
+    ("session stream interval", {"router": {"sessionStreamInterval": 8}}, {"decode"}),  # its sidecar's limits
     ("sidecar image", {"router": {"image": "ghcr.io/disagg/disagg:v0.2.0"}}, {"decode"}),
     ("cpu image", {"engine": {"cpuImage": "ghcr.io/disagg/vllm-cpu:v0.33.1"}}, {"render", "derender"}),
     # decode: its sidecar's engine.derender_sessions

@@ -249,3 +249,15 @@ def test_derender_context_leaves_out_what_derender_never_reads() -> None:
     assert json.loads(legs.parser_context(completion, "completions")) == {"model": "m", "prompt": "-", "logprobs": 2}
     echoed = json.dumps({"prompt": "a long prompt", "echo": True}).encode()
     assert json.loads(legs.parser_context(echoed, "completions"))["prompt"] == "a long prompt"
+
+@pytest.mark.parametrize("mode, stream, client, interval, want", [
+    ("tokens", True, None, 4, 4), ("tokens", True, 8, 4, 8),  # a client's own interval is kept when larger
+    ("tokens", True, None, 1, None), ("tokens", False, None, 4, None),  # a batch leg has no chunks
+    ("derender", True, None, 4, None), ("text", True, 2, 4, 2),  # only a leg a session will split again
+])
+def test_a_streamed_tokens_leg_asks_for_the_session_stream_interval(mode, stream, client, interval, want) -> None:
+    rendered = {**gen(), "stream": stream}
+    if client is not None:
+        rendered["sampling_params"] = {**rendered["sampling_params"], "stream_interval": client}
+    body = json.loads(legs.decode_body(rendered, None, mode, None, None, stream_interval=interval))
+    assert body["sampling_params"].get("stream_interval") == want

@@ -17,6 +17,7 @@ import requests
 
 from disagg_engine.servers import pid_alive, signal_group
 from disagg_engine.testing.lanes import MAIN
+from disagg_sidecar import wire
 
 from tests.engine.session_renders import Render
 from tests.harness.openai_views import (
@@ -28,7 +29,7 @@ from tests.harness.openai_views import (
 )
 from tests.harness.overlap import in_background
 from tests.sidecar.conftest import TOKENS_ONLY
-from tests.sidecar.support import RunningSidecar, long_body, run_sidecar, sidecar_config, wait_for
+from tests.sidecar.support import RunningSidecar, long_body, recording_proxy, run_sidecar, sidecar_config, wait_for
 from tests.sidecar.test_parity import post_raw
 from tests.sidecar.test_parity_matrix import CHAT_CASES, COMPLETION_CASES, chat_request
 
@@ -97,6 +98,30 @@ def test_completions_stream_matrix_through_sessions(lane_set, forcer, lane_sessi
     body["stream_options"] = {"include_usage": True, "continuous_usage_stats": body.pop("continuous_usage", False)}
     stream_equals_coupled(lane_set, lane_session_sidecar, "/v1/completions", body, f"session-completions-{case}-{n}",
                           completion_stream_full_view)
+
+
+@pytest.mark.parity
+def test_decode_sends_tokens_in_fours_and_the_client_still_gets_coupleds_chunks(lane_set, forcer) -> None:
+    """``limits.session_stream_interval`` (4): the decode engine sends up to 4 tokens per chunk
+    (fewer events through its API process and the sidecar); the session takes them one token a
+    line, so the client gets a chunk per token, as from coupled, with the same content."""
+    body = forcer.chat_body("reasoning_tool_call", stream=True, logprobs=True, top_logprobs=2)
+    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, "fours"))
+    render = Render(lane_set.url("render"), lane_set.servers["render"].pid)
+    with recording_proxy(lane_set.url("decode")) as decode:
+        config = sidecar_config(lane_set, decode={"url": decode.url, "capabilities": TOKENS_ONLY},
+                                engine={"derender_sessions": True}, derender={"urls": [render.url]})
+        with run_sidecar(config) as sidecar:
+            assert sidecar.config.limits.session_stream_interval == 4
+            got = post_raw(sidecar.url, "/v1/chat/completions", body, "fours")
+    [leg] = [c for c in decode.calls if c.path == wire.GENERATE]
+    assert leg.body["sampling_params"]["stream_interval"] == 4
+    sizes = [len(e["choices"][0]["token_ids"]) for e in sse_events(bytes(leg.response).splitlines())
+             if e != "[DONE]" and e.get("choices")]
+    assert max(sizes) == 4 and sum(sizes) > 2 * len(sizes)  # the first token comes alone, then fours
+    want = reference.result()
+    assert chat_stream_full_view(got) == chat_stream_full_view(want)
+    assert len(got) == len(want)  # one event per token (and the role, finish and [DONE] ones) as coupled
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from disagg_sidecar import chained, legs
+from disagg_sidecar import chained, legs, streaming
 from disagg_sidecar.sessions import open_line, session_path, session_row, without_role
 
 
@@ -65,3 +65,18 @@ def test_a_session_line_carries_the_choice_and_not_the_chunk_around_it():
     assert session_row(chunk) == [1, [5, 6], "stop", 7, lp]
     chunk["choices"][0].update(stop_reason=None, logprobs=None)
     assert session_row(chunk) == [1, [5, 6], "stop"]  # a null between kept values stays
+
+
+def test_a_chunk_of_several_tokens_becomes_one_line_per_token_and_merges_back():
+    entries = [{"token_id": t, "logprob": -0.1 * t, "top_logprobs": []} for t in (5, 6, 7)]
+    chunk = {"request_id": "r", "prompt_token_ids": [1, 2], "choices": [
+        {"index": 1, "token_ids": [5, 6, 7], "finish_reason": "stop", "stop_reason": 9, "logprobs": {"content": entries}}]}
+    pieces = streaming.per_token(chunk)
+    assert [session_row(p) for p in pieces] == [
+        [1, [5], None, None, {"content": [entries[0]]}], [1, [6], None, None, {"content": [entries[1]]}],
+        [1, [7], "stop", 9, {"content": [entries[2]]}]]
+    assert streaming.merge_chunks(pieces) == chunk
+    one = {"choices": [{"index": 0, "token_ids": [5], "finish_reason": None}]}
+    assert streaming.per_token(one) == [one]
+    plain = {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length"}]}
+    assert [session_row(p) for p in streaming.per_token(plain)] == [[0, [5]], [0, [6], "length"]]
