@@ -71,7 +71,8 @@ def stream_equals_coupled(sset, sidecar, path: str, body: dict[str, Any], reques
 # A stop string inside the second tool call: vLLM's hermes streaming parser answers it differently
 # when the first call's closing tokens come in one delta rather than one by one, and under load
 # coupled's own output collector merges them at times (seen: coupled's first call's arguments ended
-# in `}\n</tool_`). test_parity_matrix.py streams it on the chained and inline paths.
+# in `}\n</tool_`). The session feeds one token at a time, as an unloaded coupled server does: its
+# reference is a coupled answer with a token per chunk (test_chunking_sensitive_case_...).
 CHUNKING_SENSITIVE = {"stop_inside_a_second_tool_call"}
 
 
@@ -86,6 +87,30 @@ def test_chat_stream_matrix_through_sessions(lane_set, forcer, lane_session_side
     body = chat_request(forcer, case, True, n)
     stream_equals_coupled(lane_set, lane_session_sidecar, "/v1/chat/completions", body, f"session-{case}-{n}",
                           chat_stream_full_view)
+
+
+def token_per_chunk_reference(sset, body: dict[str, Any], request_id: str, attempts: int = 5) -> list[Any]:
+    """Coupled's stream for ``body`` (with ``return_token_ids``, so each chunk names its tokens) in
+    which no chunk carries more than one token: an answer whose collector merged tokens under load
+    is asked for again, at most ``attempts`` times."""
+    for _ in range(attempts):
+        events = post_raw(sset.url("coupled"), "/v1/chat/completions", body, request_id)
+        if all(len(c.get("token_ids") or []) <= 1 for e in events if e != "[DONE]" for c in e.get("choices") or []):
+            return events
+    pytest.fail(f"coupled merged tokens into one chunk in each of {attempts} answers")
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("case", sorted(CHUNKING_SENSITIVE))
+def test_chunking_sensitive_case_through_sessions_equals_coupled_a_token_a_chunk(
+        lane_set, forcer, lane_session_sidecar, case: str, n: int) -> None:
+    body = {**chat_request(forcer, case, True, n), "return_token_ids": True}
+    want = token_per_chunk_reference(lane_set, body, f"session-{case}-{n}")
+    before = stateless_calls(lane_session_sidecar)
+    got = post_raw(lane_session_sidecar.url, "/v1/chat/completions", body, f"session-{case}-{n}")
+    assert chat_stream_full_view(got) == chat_stream_full_view(want)
+    assert stateless_calls(lane_session_sidecar) == before
 
 
 @pytest.mark.parity
@@ -105,8 +130,8 @@ def test_decode_sends_tokens_in_fours_and_the_client_still_gets_coupleds_chunks(
     """``limits.session_stream_interval`` (4): the decode engine sends up to 4 tokens per chunk
     (fewer events through its API process and the sidecar); the session takes them one token a
     line, so the client gets a chunk per token, as from coupled, with the same content."""
-    body = forcer.chat_body("reasoning_tool_call", stream=True, logprobs=True, top_logprobs=2)
-    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, "fours"))
+    body = forcer.chat_body("reasoning_tool_call", stream=True, logprobs=True, top_logprobs=2, return_token_ids=True)
+    want = token_per_chunk_reference(lane_set, body, "fours")
     render = Render(lane_set.url("render"), lane_set.servers["render"].pid)
     with recording_proxy(lane_set.url("decode")) as decode:
         config = sidecar_config(lane_set, decode={"url": decode.url, "capabilities": TOKENS_ONLY},
@@ -119,7 +144,6 @@ def test_decode_sends_tokens_in_fours_and_the_client_still_gets_coupleds_chunks(
     sizes = [len(e["choices"][0]["token_ids"]) for e in sse_events(bytes(leg.response).splitlines())
              if e != "[DONE]" and e.get("choices")]
     assert max(sizes) == 4 and sum(sizes) > 2 * len(sizes)  # the first token comes alone, then fours
-    want = reference.result()
     assert chat_stream_full_view(got) == chat_stream_full_view(want)
     assert len(got) == len(want)  # one event per token (and the role, finish and [DONE] ones) as coupled
 
