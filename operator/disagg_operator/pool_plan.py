@@ -91,6 +91,7 @@ class PoolPlan:
     uses_chat_template: bool
     kv_shared_path: str | None  # the KV connector's shared directory, where this pool has one
     kv_shared_claim: str | None  # the claim mounted there (None: a directory of the pod's own)
+    cache_claim: str | None  # mounted as HOME (None: an emptyDir)
     resources: Mapping[str, Any] | None
     node_selector: Mapping[str, str] | None
     tolerations: tuple[Mapping[str, Any], ...] | None

@@ -115,12 +115,15 @@ def _pool_plan(i: PoolInputs, role: Role, pool: PoolSpec, launcher: Launcher, ar
                   if spec.router.inference_pool.enabled and role in (Role.DECODE, Role.PREFILL) else {})
     if pod_labels:  # in the hash: labels dropped from a template are no drift, a changed hash is
         effective["podLabels"] = pod_labels
+    if spec.engine.cache_claim:  # only when set: pools without one keep their hash
+        effective["cacheClaim"] = spec.engine.cache_claim
     return PoolPlan(
         role=role, name=names.pool_name(i.name, role), replicas=pool.replicas, launcher=launcher,
         image=effective["image"], image_pull_policy=spec.engine.image_pull_policy, gpu=gpu,
         vllm_args=vllm_args, env=env, port=spec.engine.port, side_channel_ports=side_ports,
         uses_chat_template=uses_template and template is not None,
         kv_shared_path=i.kv.shared_path if gpu else None, kv_shared_claim=shared_claim, resources=pool.resources,
+        cache_claim=spec.engine.cache_claim,
         node_selector=pool.node_selector, tolerations=tuple(pool.tolerations) if pool.tolerations else None,
         affinity=pool.affinity, autoscaling=_autoscaling(pool),
         startup_seconds=GPU_STARTUP_SECONDS if gpu else CPU_STARTUP_SECONDS, config_hash=config_hash(effective),

@@ -119,6 +119,10 @@ class EngineSpec(WireModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         None, description="Pull policy of every container (vLLM and sidecar); the cluster default when unset."
     )
+    cache_claim: ShortString | None = Field(
+        None, description="A ReadWriteMany PersistentVolumeClaim mounted as every vLLM container's HOME (Hugging "
+        "Face downloads, vLLM's model-inspection and compile caches, Triton's): kept across restarts and shared by "
+        "the model's pods, which all write to it (give each model its own). Unset: an emptyDir per pod.")
 
 
 class KVTransferSpec(WireModel):

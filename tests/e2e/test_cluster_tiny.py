@@ -42,7 +42,7 @@ EXAMPLE = REPO / "examples" / "cluster-tiny.yaml"
 CHART = REPO / "charts" / "disagg"
 MODEL = "cluster-tiny"
 POOLS = ("prefill", "decode", "render")
-VOLUMES = ("disagg-host-cache", "disagg-kv-shared")  # scripts/node's PersistentVolumes
+VOLUMES = ("disagg-host-cache", "disagg-kv-shared", "disagg-engine-cache")  # scripts/node's PersistentVolumes
 READY_TIMEOUT = float(os.environ.get("DISAGG_CLUSTER_TINY_TIMEOUT", "1200"))  # three engines on 2 busy cores
 
 
@@ -159,6 +159,12 @@ def test_every_pool_runs_real_containers_ready_through_real_probes(cluster: Clus
         assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(vllm)
         assert vllm["lifecycle"]["preStop"]  # accepted by the API server, run by kubelet (decode: httpGet)
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        [home] = [v for v in pod["spec"]["volumes"] if v["name"] == "cache"]
+        assert home["persistentVolumeClaim"] == {"claimName": "engine-cache"}
+    # engine.cacheClaim: vLLM keeps its model inspection there for the next start (uid 1000, the engines')
+    cache = Path(get(cluster, "pv", "disagg-engine-cache")["spec"]["hostPath"]["path"])
+    infos = list((cache / ".cache" / "vllm" / "modelinfos").glob("*.json"))
+    assert infos and all(p.stat().st_uid == 1000 for p in infos), infos
 
 
 @pytest.fixture(scope="module")

@@ -250,7 +250,8 @@ SPECS_FOR_EVERY_POOL_SHAPE = {
     "example-connector": merged(full_spec(), {"kvTransfer": {"connector": "ExampleConnector"}}),
     "example-connector-pvc": merged(full_spec(), {"kvTransfer": {"connector": "ExampleConnector",
                                                                  "sharedStorageClaim": "kv"},
-                                                  "model": {"source": "pvc://weights/q", "revision": None}}),
+                                                  "model": {"source": "pvc://weights/q", "revision": None},
+                                                  "engine": {"cacheClaim": "engine-cache"}}),
 }
 
 
@@ -274,8 +275,8 @@ def test_every_container_of_every_pool_is_locked_down(spec: dict[str, Any]) -> N
 @pytest.mark.parametrize("spec", SPECS_FOR_EVERY_POOL_SHAPE.values(), ids=SPECS_FOR_EVERY_POOL_SHAPE.keys())
 def test_what_vllm_writes_is_on_writable_volumes(spec: dict[str, Any]) -> None:
     """With a read-only root, every directory vLLM writes to must be a writable mount: HOME (HF, vLLM,
-    Triton, CUDA caches under ~), /tmp (torch compile, vLLM's IPC sockets), /dev/shm on GPU pools (NCCL)
-    and the ExampleConnector's storage."""
+    Triton, CUDA caches under ~; engine.cacheClaim when set), /tmp (torch compile, vLLM's IPC sockets),
+    /dev/shm on GPU pools (NCCL) and the ExampleConnector's storage."""
     plan = plan_of(spec)
     templates = pod_templates(objects_of(plan))
     for pool in plan.pools:
@@ -284,7 +285,7 @@ def test_what_vllm_writes_is_on_writable_volumes(spec: dict[str, Any]) -> None:
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
         writable = {m["mountPath"]: volumes[m["name"]] for m in vllm["volumeMounts"] if not m.get("readOnly")}
         env = {e["name"]: e.get("value") for e in vllm["env"]}
-        needed = [env["HOME"], env["HF_HOME"], "/tmp"] + (["/dev/shm"] if pool.gpu else [])
+        needed = ["/tmp"] + (["/dev/shm"] if pool.gpu else [])
 
         def volume_for(path: str) -> dict[str, Any]:
             mount = max((m for m in writable if path == m or path.startswith(m.rstrip("/") + "/")), key=len)
@@ -292,6 +293,10 @@ def test_what_vllm_writes_is_on_writable_volumes(spec: dict[str, Any]) -> None:
 
         for path in needed:
             assert "emptyDir" in volume_for(path), (pool.name, path)
+        assert pool.cache_claim == spec.get("engine", {}).get("cacheClaim")
+        home = {"persistentVolumeClaim": {"claimName": pool.cache_claim}} if pool.cache_claim else {"emptyDir": {}}
+        for path in (env["HOME"], env["HF_HOME"]):
+            assert {k: v for k, v in volume_for(path).items() if k != "name"} == home, (pool.name, path)
         if pool.gpu:
             assert volume_for("/dev/shm")["emptyDir"] == {"medium": "Memory"}
         if pool.gpu and plan.kv_connector == "ExampleConnector":  # writes KV files to its storage path

@@ -250,6 +250,7 @@ ROLLS = [
     ("render extension", {"engine": {"renderExtension": False}}, {"render", "derender", "decode"}),
     ("vllm version", {"engine": {"vllmVersion": "0.32.0"}}, {"decode"}),  # its sidecar's features
     ("gpu image", {"engine": {"gpuImage": "vllm/vllm-openai:v0.33.1"}}, {"prefill", "decode"}),
+    ("cache claim", {"engine": {"cacheClaim": "engine-cache"}}, {"prefill", "decode", "render", "derender"}),
     ("kv extra config", {"kvTransfer": {"extraConfig": {"backends": ["UCX", "GDS"]}}}, {"prefill", "decode"}),
     ("decode resources", {"pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}}, {"decode"}),
     ("render node selector", {"pools": {"render": {"nodeSelector": {"pool": "cpu"}}}}, {"render"}),

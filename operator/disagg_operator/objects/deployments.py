@@ -16,8 +16,8 @@ from disagg_sidecar.discovery_config import SERVICE_ACCOUNT_DIR
 SIDECAR_CONFIG_DIR = "/etc/disagg"
 SIDECAR_CONFIG_FILE = "sidecar.yaml"
 SIDECAR_COMMAND = ["disagg", "sidecar", "--config", f"{SIDECAR_CONFIG_DIR}/{SIDECAR_CONFIG_FILE}"]
-CACHE_DIR = "/var/cache/disagg"  # writable scratch (emptyDir): HOME of the engines, so the HF, vLLM,
-TMP_DIR = "/tmp"  # Triton, CUDA and FlashInfer caches under ~ land on it; /tmp: torch compile, vLLM IPC
+CACHE_DIR = "/var/cache/disagg"  # writable (emptyDir or engine.cacheClaim): HOME of the engines, so the HF,
+TMP_DIR = "/tmp"  # vLLM, Triton, CUDA and FlashInfer caches under ~ land on it; /tmp: torch compile, vLLM IPC
 NON_ROOT_UID = 1000
 DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 # A refused connection costs nothing while vLLM loads; a short period lets a pod go Ready about
@@ -26,7 +26,7 @@ STARTUP_PERIOD = 2
 DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced (> stop_seconds)
 
 # Every container (engines of all pools, the sidecar): non-root, no privilege escalation, no
-# capabilities, a read-only root; what vLLM writes goes to emptyDirs (cache, tmp, dshm).
+# capabilities, a read-only root; what vLLM writes goes to volumes (cache, tmp, dshm: emptyDirs but engine.cacheClaim).
 _RESTRICTED = {
     "runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID,
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
@@ -60,7 +60,7 @@ def _vllm_container(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
     ports = [{"name": names.ENGINE_PORT, "containerPort": pool.port, "protocol": "TCP"}]
     ports += [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in plan.side_channel_ports(pool)]
     env = [e.to_k8s() for e in pool.env]
-    # The non-root user has no home directory (and the root is read-only): HOME is the cache emptyDir.
+    # The non-root user has no home directory (and the root is read-only): HOME is the cache volume.
     # A user's own value wins (a container's env is keyed by name: no duplicates).
     env += [e for e in ({"name": "HOME", "value": CACHE_DIR}, {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"})
             if e["name"] not in {v.name for v in pool.env}]
@@ -143,7 +143,8 @@ def _secret_volume(volume: str, secret: str, files: dict[str, str]) -> dict[str,
 
 
 def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
-    volumes: list[dict[str, Any]] = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    cache = {"persistentVolumeClaim": {"claimName": pool.cache_claim}} if pool.cache_claim else {"emptyDir": {}}
+    volumes: list[dict[str, Any]] = [{"name": "cache", **cache}, {"name": "tmp", "emptyDir": {}}]
     template = plan.chat_template
     if pool.uses_chat_template and template:
         filename = template.path.rsplit("/", 1)[1]
