@@ -26,7 +26,7 @@ STARTUP_PERIOD = 2
 DECODE_GRACE_SECONDS = 120  # lets streams in flight finish when a decode pod is replaced (> stop_seconds)
 
 # Every container (engines of all pools, the sidecar): non-root, no privilege escalation, no
-# capabilities, a read-only root; what vLLM writes goes to volumes (cache, tmp, dshm: emptyDirs but engine.cacheClaim).
+# capabilities, a read-only root; what vLLM writes goes to volumes (cache: emptyDir or engine.cacheClaim; tmp, dshm).
 _RESTRICTED = {
     "runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID,
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
