@@ -1,48 +1,33 @@
-"""examples/cluster-tiny.yaml on the real node, the way a user deploys it: the locally built images
-(scripts/disagg-images) imported with ctr, `helm install` of charts/disagg with the operator image,
-`kubectl apply -f` of the example. Every pool then runs real containers behind their real probes, and
-the openai SDK talks to the model through the decode Service's ClusterIP (kube-proxy on this host).
+"""examples/cluster-tiny.yaml on the real node, the way a user deploys it (tests/harness/cluster_tiny.py:
+images imported with ctr, `helm install` of the chart, `kubectl apply -f` of the example). Every pool
+then runs real containers behind their real probes, and the openai SDK talks to the model through
+the decode Service's ClusterIP (kube-proxy on this host).
 
 One operator release and one deployment serve every test here (engines take minutes to start on a
-busy 2-core machine); the last two take the node down under it and delete the model."""
+busy 2-core machine: the harness starts them while the engine tests run); the last two take the
+node down under it and delete the model."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-import yaml
 from openai import OpenAI
 
 from tests.cluster.real_node import node_pids, running
-from tests.harness.cluster import (
-    REAL_NODE,
-    REAL_NODE_TAINT,
-    Cluster,
-    ClusterError,
-    RealNodeSession,
-    host_state,
-    node_script,
-    start_real_node,
-)
+from tests.harness.cluster import REAL_NODE, Cluster, ClusterError, RealNodeSession, host_state, node_script
+from tests.harness.cluster_tiny import MODEL, ClusterTiny, get, pods
 from tests.harness.coupled import forced_views
 from tests.harness.request_stream import RequestStream
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "cluster-tiny.yaml"
-CHART = REPO / "charts" / "disagg"
-MODEL = "cluster-tiny"
 POOLS = ("prefill", "decode", "render")
-VOLUMES = ("disagg-host-cache", "disagg-kv-shared", "disagg-engine-cache")  # scripts/node's PersistentVolumes
 READY_TIMEOUT = float(os.environ.get("DISAGG_CLUSTER_TINY_TIMEOUT", "1200"))  # three engines on 2 busy cores
 
 
@@ -54,83 +39,30 @@ class Deployed:
     url: str  # the decode Service: http://<ClusterIP>:8000
 
 
-def get(cluster: Cluster, *args: str) -> dict[str, Any]:
-    return yaml.safe_load(cluster.kubectl("get", "-o", "yaml", *args).stdout)
-
-
-def release_volumes(cluster: Cluster) -> None:
-    """Make the node's volumes Available again after an earlier claim was deleted (Retain policy);
-    a node that is down has none (scripts/node removes them)."""
-    names = {pv["metadata"]["name"]: pv for pv in get(cluster, "pv")["items"]}
-    for pv in VOLUMES:
-        if pv in names and names[pv]["status"]["phase"] == "Released":
-            cluster.kubectl("patch", "pv", pv, "--type=json", "-p", '[{"op": "remove", "path": "/spec/claimRef"}]')
-
-
-def pods(cluster: Cluster, ns: str, pool: str | None = None) -> list[dict[str, Any]]:
-    selector = f"app.kubernetes.io/instance={MODEL}" + (f",app.kubernetes.io/component={pool}" if pool else "")
-    return get(cluster, "pods", "-n", ns, "-l", selector)["items"]
-
-
 def ready(pod: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 @pytest.fixture(scope="module")
-def images(cluster: Cluster, real_node_session: RealNodeSession) -> dict[str, str]:
-    if real_node_session.before is None and (cluster.state_dir / "node").exists():
-        # Up before this session: restart it, so the node-down test knows the machine without it.
-        assert node_script("down", cluster.state_dir, timeout=300).returncode == 0
-    start_real_node(cluster, real_node_session)
-    t0 = time.monotonic()
-    proc = subprocess.run([str(REPO / "scripts" / "disagg-images"), "--import"], capture_output=True, text=True,
-                          env={**os.environ, "DISAGG_CLUSTER_DIR": str(cluster.state_dir)}, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    print(f"images built/imported in {time.monotonic() - t0:.0f}s")
-    return dict(line.split() for line in proc.stdout.splitlines())
-
-
-@pytest.fixture(scope="module")
-def operator_ns(cluster: Cluster, images: dict[str, str]) -> Iterator[tuple[str, str]]:
-    ns = cluster.create_namespace("disagg-system")
-    release = f"disagg-e2e-{ns.rsplit('-', 1)[1]}"  # ClusterRole names are per release: unique
-    repo, tag = next(name for name in images if name.startswith("disagg.local/disagg:")).rsplit(":", 1)
-    cluster.helm("install", release, str(CHART), "-n", ns, "--wait", "--timeout", "5m",
-                 "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-                 "--set", f"nodeSelector.kubernetes\\.io/hostname={REAL_NODE}",
-                 "--set", f"tolerations[0].key={REAL_NODE_TAINT}", "--set", "tolerations[0].operator=Exists")
-    yield ns, release
-    cluster.helm("uninstall", release, "-n", ns, "--wait", check=False)
-    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-
-
-@pytest.fixture(scope="module")
-def tiny(cluster: Cluster, operator_ns: tuple[str, str]) -> Iterator[Deployed]:
-    ns = cluster.create_namespace("cluster-tiny")
-    release_volumes(cluster)
-    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
-    t0 = time.monotonic()
+def tiny(cluster: Cluster, cluster_tiny: ClusterTiny) -> Deployed:
+    ns = cluster_tiny.ns
 
     def model_ready() -> bool:
         conditions = get(cluster, "dm", MODEL, "-n", ns).get("status", {}).get("conditions", [])
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
     try:
-        try:
-            cluster.wait_for(model_ready, f"DisaggregatedModel {MODEL} Ready", timeout=READY_TIMEOUT, interval=2)
-        except AssertionError:
-            for pod in pods(cluster, ns):
-                for c in pod["spec"]["containers"]:
-                    out = cluster.kubectl("logs", pod["metadata"]["name"], "-n", ns, "-c", c["name"], "--tail=30",
-                                          check=False)
-                    print(f"----- {pod['metadata']['name']}/{c['name']}\n{out.stdout}{out.stderr}")
-            raise
-        print(f"{MODEL} Ready in {time.monotonic() - t0:.0f}s")
-        ip = get(cluster, "service", MODEL, "-n", ns)["spec"]["clusterIP"]
-        yield Deployed(ns, operator_ns[0], operator_ns[1], f"http://{ip}:8000")
-    finally:  # also when it never became Ready: three engines must not outlive the test
-        cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=180s", check=False)
-        release_volumes(cluster)
+        cluster.wait_for(model_ready, f"DisaggregatedModel {MODEL} Ready", timeout=READY_TIMEOUT, interval=2)
+    except AssertionError:
+        for pod in pods(cluster, ns):
+            for c in pod["spec"]["containers"]:
+                out = cluster.kubectl("logs", pod["metadata"]["name"], "-n", ns, "-c", c["name"], "--tail=30",
+                                      check=False)
+                print(f"----- {pod['metadata']['name']}/{c['name']}\n{out.stdout}{out.stderr}")
+        raise
+    print(f"{MODEL} Ready {time.monotonic() - cluster_tiny.applied:.0f}s after it was applied")
+    ip = get(cluster, "service", MODEL, "-n", ns)["spec"]["clusterIP"]
+    return Deployed(ns, cluster_tiny.operator_ns, cluster_tiny.release, f"http://{ip}:8000")
 
 
 def test_operator_is_a_real_pod_under_its_service_account(cluster: Cluster, tiny: Deployed) -> None:

@@ -270,17 +270,24 @@ def _release(state_dir: Path) -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
-    """The real control plane: etcd, kube-apiserver, controller-manager, scheduler, kwok (2 nodes)."""
+def ensure_cluster() -> Cluster:
+    """The session's cluster, started or reused as the ``cluster`` fixture does (for work outside
+    fixtures; the fixture, which every cluster test uses, releases it at the end)."""
     state_dir = default_state_dir()
     with _session_lock(state_dir):
         _start_or_reuse(state_dir)
+    return Cluster.from_state_dir(state_dir)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """The real control plane: etcd, kube-apiserver, controller-manager, scheduler, kwok (2 nodes)."""
+    c = ensure_cluster()
     try:
-        yield Cluster.from_state_dir(state_dir)
+        yield c
     finally:
-        with _session_lock(state_dir):
-            error = _release(state_dir)
+        with _session_lock(c.state_dir):
+            error = _release(c.state_dir)
         if error:
             raise ClusterError(error)
 
@@ -291,9 +298,12 @@ class RealNodeSession:
     before: dict[str, Any] | None = None  # host_state() just before that start
 
 
+REAL_NODE_SESSION = RealNodeSession()  # one per process: background starts use it too (tests/harness/cluster_tiny.py)
+
+
 @pytest.fixture(scope="session")
 def real_node_session(cluster: Cluster) -> Iterator[RealNodeSession]:
-    session = RealNodeSession()
+    session = REAL_NODE_SESSION
     yield session
     users = cluster.state_dir / "pytest-users"
     others = [p for p in users.glob("*") if p.name.isdigit() and int(p.name) != os.getpid()

@@ -15,7 +15,9 @@ vLLM start-up is the suite's largest cost, so the demo and the coupled server st
 thread as soon as collection shows they are needed, and modules that need no engine run first:
 start-up overlaps the control-plane and unit tests instead of adding to them. Then come the engine
 modules, e2e, the modules that kill the set's prefill and decode (``doomed_engines``), and last the
-one that takes the deployment down (``final_local_tiny``).
+one that takes the deployment down (``final_local_tiny``). ``cluster_tiny`` (the example on the
+real node, tests/harness/cluster_tiny.py) starts in the same thread right after the last
+control-plane test that needs no engine, so its pods start while the engine tests run.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from disagg_engine.testing.lanes import LANES, MAIN
 from disagg_engine.testing.server_set import ServerSet, role_specs, start_server_set
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.engine.session_renders import Render
+from tests.harness.cluster_tiny import start_cluster_tiny
 from tests.harness.forced import Forcer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +53,9 @@ _SETS: list = []
 # Fixtures started early in the background, one after the other in this order (the demo's start
 # returns at once; the set then starts its coupled server and waits for the demo's deployment).
 _EARLY_FIXTURES = ("demo_run", "engine_set", "engine_set_033", "session_renders")
+# Started after the last test of the first group that uses the cluster (they may take the real node down).
+_AFTER_CLUSTER_TESTS = ("cluster_tiny",)
+_ENGINE_FIXTURES = ("engine_set", "lane_set", "engine_set_033", "demo_run")
 _NEEDS = {"engine_set": "demo_run"}
 # `lane_set` runs a test once per vLLM lane: it needs the set of each.
 _LANE_SETS = {MAIN: "engine_set", "0.33": "engine_set_033"}
@@ -146,6 +152,7 @@ class _EarlyStarts:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-start")
         self._futures: dict[str, Future] = {}
         self.last_user: dict[str, str] = {}  # set name -> nodeid of the last test of its last module
+        self.after: dict[str, list[str]] = {}  # nodeid -> starts submitted after that test
 
     def submit(self, name: str) -> None:
         if name in _NEEDS:
@@ -211,7 +218,8 @@ def _start_session_renders() -> SessionRenders:
 
 
 _STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo,
-                                  "engine_set_033": _start_lane_set, "session_renders": _start_session_renders}
+                                  "engine_set_033": _start_lane_set, "session_renders": _start_session_renders,
+                                  "cluster_tiny": start_cluster_tiny}
 _early = _EarlyStarts()
 
 
@@ -237,15 +245,20 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return 4
         if _uses(item, "doomed_engines"):
             return 3
-        engine = _uses(item, "engine_set") or _uses(item, "lane_set")
-        return 2 if item.get_closest_marker("e2e") else 1 if engine else 0
+        if not any(_uses(item, name) for name in _ENGINE_FIXTURES):
+            return 0
+        return 2 if item.get_closest_marker("e2e") else 1
 
     module = lambda item: item.nodeid.split("::", 1)[0]
     weights: dict[str, int] = {}
     for item in items:
         weights[module(item)] = max(weights.get(module(item), 0), weight(item))
     items.sort(key=lambda item: weights[module(item)])
-    for name in _EARLY_FIXTURES:  # a start is stopped after the last module needing it
+    first_group = [item for item in items if weights[module(item)] == 0 and _uses(item, "cluster")]
+    for name in _AFTER_CLUSTER_TESTS:
+        if first_group and any(_uses(item, name) for item in items):
+            _early.after.setdefault(first_group[-1].nodeid, []).append(name)
+    for name in (*_EARLY_FIXTURES, *_AFTER_CLUSTER_TESTS):  # a start is stopped after the last module needing it
         modules = {module(item) for item in items if _uses_start(item, name)
                    or (_uses(item, "lane_set") and _LANE_SETS[item.callspec.params["lane_set"]] in (name, *_dependents(name)))}
         users = [item.nodeid for item in items if module(item) in modules]
@@ -272,6 +285,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator:
     yield
     _early.stop_many([name for name, nodeid in _early.last_user.items() if item.nodeid == nodeid])
+    for name in _early.after.get(item.nodeid, []):
+        _early.submit(name)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -322,6 +337,12 @@ def session_renders(engine_set) -> list[Render]:
     else:
         killable = [Render(s.url, s.pid) for s in _early.result("session_renders").servers]
     return [*killable, Render(engine_set.url("render"), engine_set.servers["render"].pid)]
+
+
+@pytest.fixture(scope="session")
+def cluster_tiny(cluster):
+    """examples/cluster-tiny.yaml applied on the real node (tests/harness/cluster_tiny.py)."""
+    return _early.result("cluster_tiny")
 
 
 @pytest.fixture(scope="session")

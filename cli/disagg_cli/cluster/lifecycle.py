@@ -53,8 +53,14 @@ def ours(c: Cluster, name: str) -> bool:
     return pid is not None and is_ours(pid, c.exe(name))
 
 
+# Stopped in this order: the apiserver's clients, the apiserver, etcd. Signalled together, the
+# apiserver took ~11 s to stop (it waits for etcd, which waits for its clients); in order, ~1 s.
+_STOP_LAST = ("kube-apiserver", "etcd")
+
+
 def stop_all(c: Cluster) -> bool:
-    """TERM, then KILL after 15 s, every recorded component still ours, in reverse start order."""
+    """TERM, then KILL after 15 s, every recorded component still ours, in reverse start order:
+    the others together, then kube-apiserver, then etcd."""
     names = {pid: n for n in reversed(recorded(c.dir)) if (pid := pid_of(c.dir, n)) is not None}
 
     def running(pid: int) -> bool:
@@ -63,8 +69,13 @@ def stop_all(c: Cluster) -> bool:
         return is_ours(pid, c.exe(names[pid]))
 
     in_order = lambda pids: " ".join(n for n in COMPONENTS if n in {names[p] for p in pids})  # noqa: E731
-    left = stop_pids(list(names), running, (signal.SIGTERM, signal.SIGKILL), grace=15.0,
-                     on_left=lambda sig, pids: log(f"still running after {signal.Signals(sig).name}: {in_order(pids)}"))
+    stages = [[p for p, n in names.items() if n not in _STOP_LAST]]
+    stages += [[p for p, n in names.items() if n == last] for last in _STOP_LAST]
+    left = []
+    for pids in filter(None, stages):
+        left += stop_pids(pids, running, (signal.SIGTERM, signal.SIGKILL), grace=15.0,
+                          on_left=lambda sig, pids: log(f"still running after {signal.Signals(sig).name}: "
+                                                        f"{in_order(pids)}"))
     return not left
 
 

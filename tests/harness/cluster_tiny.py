@@ -1,0 +1,116 @@
+"""examples/cluster-tiny.yaml deployed on the real node the way a user deploys it: the locally built
+images (scripts/disagg-images) imported with ctr, `helm install` of charts/disagg with the operator
+image, `kubectl apply -f` of the example.
+
+``start_cluster_tiny`` returns once the example is applied; the pods then start on their own. The
+harness (tests/harness/engine.py) calls it in the background as soon as the control-plane tests
+are done, so the three engines start while the engine tests run (tests/e2e/test_cluster_tiny.py
+waits for Ready), and stops it after that module."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.harness.cluster import (
+    REAL_NODE,
+    REAL_NODE_SESSION,
+    REAL_NODE_TAINT,
+    Cluster,
+    ensure_cluster,
+    node_script,
+    start_real_node,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "cluster-tiny.yaml"
+CHART = REPO / "charts" / "disagg"
+MODEL = "cluster-tiny"
+VOLUMES = ("disagg-host-cache", "disagg-kv-shared", "disagg-engine-cache")  # scripts/node's PersistentVolumes
+STOP_TIMEOUT = 180.0
+
+
+def get(cluster: Cluster, *args: str) -> dict[str, Any]:
+    return yaml.safe_load(cluster.kubectl("get", "-o", "yaml", *args).stdout)
+
+
+def pods(cluster: Cluster, ns: str, pool: str | None = None) -> list[dict[str, Any]]:
+    selector = f"app.kubernetes.io/instance={MODEL}" + (f",app.kubernetes.io/component={pool}" if pool else "")
+    return get(cluster, "pods", "-n", ns, "-l", selector)["items"]
+
+
+def release_volumes(cluster: Cluster) -> None:
+    """Make the node's volumes Available again after an earlier claim was deleted (Retain policy);
+    a node that is down has none (scripts/node removes them)."""
+    names = {pv["metadata"]["name"]: pv for pv in get(cluster, "pv")["items"]}
+    for pv in VOLUMES:
+        if pv in names and names[pv]["status"]["phase"] == "Released":
+            cluster.kubectl("patch", "pv", pv, "--type=json", "-p", '[{"op": "remove", "path": "/spec/claimRef"}]')
+
+
+@dataclass
+class ClusterTiny:
+    """The operator release in ``operator_ns`` and the example applied in ``ns`` at ``applied``
+    (time.monotonic())."""
+    cluster: Cluster
+    operator_ns: str
+    release: str
+    ns: str = ""
+    applied: float = 0.0
+
+    def stop(self) -> None:
+        """Delete the model's namespace and wait until its pods are gone (three engines must not
+        outlive the tests, also when they never became Ready), then the operator release. Nothing
+        to do once the session's cluster is down (`scripts/cluster down` took the node down first)."""
+        if not (self.cluster.state_dir / "cluster.env").exists():
+            return
+        if self.ns:
+            self.cluster.kubectl("delete", "namespace", self.ns, "--wait=false", check=False)
+            self.cluster.wait_for(lambda: not pods(self.cluster, self.ns), f"the pods of {MODEL} gone",
+                                  timeout=STOP_TIMEOUT, interval=1)
+            self.ns = ""
+        if self.release:
+            self.cluster.helm("uninstall", self.release, "-n", self.operator_ns, "--wait", check=False)
+            self.cluster.kubectl("delete", "namespace", self.operator_ns, "--wait=false", check=False)
+            self.release = ""
+
+
+def import_images(cluster: Cluster) -> dict[str, str]:
+    """Build what is missing (cached by content hash) and import it into the node's containerd:
+    image name -> archive."""
+    t0 = time.monotonic()
+    proc = subprocess.run([str(REPO / "scripts" / "disagg-images"), "--import"], capture_output=True, text=True,
+                          env={**os.environ, "DISAGG_CLUSTER_DIR": str(cluster.state_dir)}, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(f"images built/imported in {time.monotonic() - t0:.0f}s")
+    return dict(line.split() for line in proc.stdout.splitlines())
+
+
+def start_cluster_tiny() -> ClusterTiny:
+    cluster = ensure_cluster()
+    if REAL_NODE_SESSION.before is None and (cluster.state_dir / "node").exists():
+        # Up before this session: restart it, so the node-down test knows the machine without it.
+        assert node_script("down", cluster.state_dir, timeout=300).returncode == 0
+    start_real_node(cluster, REAL_NODE_SESSION)
+    images = import_images(cluster)
+    operator_ns = cluster.create_namespace("disagg-system")
+    tiny = ClusterTiny(cluster, operator_ns, f"disagg-e2e-{operator_ns.rsplit('-', 1)[1]}")  # per-release RBAC names
+    try:
+        repo, tag = next(name for name in images if name.startswith("disagg.local/disagg:")).rsplit(":", 1)
+        cluster.helm("install", tiny.release, str(CHART), "-n", operator_ns, "--wait", "--timeout", "5m",
+                     "--set", f"image.repository={repo}", "--set", f"image.tag={tag}",
+                     "--set", "image.pullPolicy=Never", "--set", f"nodeSelector.kubernetes\\.io/hostname={REAL_NODE}",
+                     "--set", f"tolerations[0].key={REAL_NODE_TAINT}", "--set", "tolerations[0].operator=Exists")
+        tiny.ns = cluster.create_namespace("cluster-tiny")
+        release_volumes(cluster)
+        cluster.kubectl("apply", "-n", tiny.ns, "-f", str(EXAMPLE))
+        tiny.applied = time.monotonic()
+    except BaseException:
+        tiny.stop()
+        raise
+    return tiny
