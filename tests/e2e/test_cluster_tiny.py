@@ -21,13 +21,16 @@ from openai import OpenAI
 
 from tests.cluster.real_node import node_pids, running
 from tests.harness.cluster import REAL_NODE, Cluster, ClusterError, RealNodeSession, host_state, node_script
-from tests.harness.cluster_tiny import MODEL, ClusterTiny, get, pods
+from tests.harness.cluster_tiny import MODEL, ClusterTiny, get, pods, start_cluster_tiny
 from tests.harness.coupled import forced_views
+from tests.harness.engine import early_fixture
 from tests.harness.request_stream import RequestStream
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
 POOLS = ("prefill", "decode", "render")
+# Applied in the background while the engine tests run (tests/harness/engine.py).
+cluster_tiny = early_fixture("cluster_tiny", start_cluster_tiny, after_cluster_tests=True)
 READY_TIMEOUT = float(os.environ.get("DISAGG_CLUSTER_TINY_TIMEOUT", "1200"))  # three engines on 2 busy cores
 
 

@@ -15,9 +15,11 @@ vLLM start-up is the suite's largest cost, so the demo and the coupled server st
 thread as soon as collection shows they are needed, and modules that need no engine run first:
 start-up overlaps the control-plane and unit tests instead of adding to them. Then come the engine
 modules, e2e, the modules that kill the set's prefill and decode (``doomed_engines``), and last the
-one that takes the deployment down (``final_local_tiny``). ``cluster_tiny`` (the example on the
-real node, tests/harness/cluster_tiny.py) starts in the same thread right after the last
-control-plane test that needs no engine, so its pods start while the engine tests run.
+one that takes the deployment down (``final_local_tiny``). Test modules add starts of their own to
+that thread with ``early_fixture``: queued after the sets when collection ends (a server of their
+own), or once the last control-plane test that needs no engine is done (the example on the real
+node, which those tests' operators and node restarts must not see), so the work overlaps tests
+that leave the CPU idle.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +48,14 @@ from disagg_engine.testing.lanes import LANES, MAIN
 from disagg_engine.testing.server_set import ServerSet, role_specs, start_server_set
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.engine.session_renders import Render
-from tests.harness.cluster_tiny import start_cluster_tiny
 from tests.harness.forced import Forcer
 
 ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
 # Fixtures started early in the background, one after the other in this order (the demo's start
 # returns at once; the set then starts its coupled server and waits for the demo's deployment).
-_EARLY_FIXTURES = ("demo_run", "engine_set", "engine_set_033", "session_renders")
-# Started after the last test of the first group that uses the cluster (they may take the real node down).
-_AFTER_CLUSTER_TESTS = ("cluster_tiny",)
+_EARLY_FIXTURES = ["demo_run", "engine_set", "engine_set_033", "session_renders"]  # + early_fixture's
+_AFTER_CLUSTER_TESTS: list[str] = []  # early_fixture(after_cluster_tests=True)
 _ENGINE_FIXTURES = ("engine_set", "lane_set", "engine_set_033", "demo_run")
 _NEEDS = {"engine_set": "demo_run"}
 # `lane_set` runs a test once per vLLM lane: it needs the set of each.
@@ -218,8 +219,7 @@ def _start_session_renders() -> SessionRenders:
 
 
 _STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo,
-                                  "engine_set_033": _start_lane_set, "session_renders": _start_session_renders,
-                                  "cluster_tiny": start_cluster_tiny}
+                                  "engine_set_033": _start_lane_set, "session_renders": _start_session_renders}
 _early = _EarlyStarts()
 
 
@@ -237,9 +237,10 @@ def _uses_start(item: pytest.Item, name: str) -> bool:
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules needing no engine first, then the engine modules, e2e, the modules that kill the
-    set's prefill and decode, and last the one that takes the deployment down; stable, so module
-    and test order are kept within each group."""
+    """Modules needing no engine first (those using the cluster before the others, so the starts
+    waiting for them begin sooner), then the engine modules, e2e, the modules that kill the set's
+    prefill and decode, and last the one that takes the deployment down; stable, so module and
+    test order are kept within each group."""
     def weight(item: pytest.Item) -> int:
         if _uses(item, "final_local_tiny"):
             return 4
@@ -253,7 +254,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     weights: dict[str, int] = {}
     for item in items:
         weights[module(item)] = max(weights.get(module(item), 0), weight(item))
-    items.sort(key=lambda item: weights[module(item)])
+    on_cluster = {module(item) for item in items if _uses(item, "cluster")}
+    items.sort(key=lambda item: (weights[module(item)], not weights[module(item)] and module(item) not in on_cluster))
     first_group = [item for item in items if weights[module(item)] == 0 and _uses(item, "cluster")]
     for name in _AFTER_CLUSTER_TESTS:
         if first_group and any(_uses(item, name) for item in items):
@@ -339,10 +341,17 @@ def session_renders(engine_set) -> list[Render]:
     return [*killable, Render(engine_set.url("render"), engine_set.servers["render"].pid)]
 
 
-@pytest.fixture(scope="session")
-def cluster_tiny(cluster):
-    """examples/cluster-tiny.yaml applied on the real node (tests/harness/cluster_tiny.py)."""
-    return _early.result("cluster_tiny")
+def early_fixture(name: str, start: Callable[[], Any], *, after_cluster_tests: bool = False) -> Any:
+    """A fixture ``name`` whose value ``start()`` makes in the background thread (see the module
+    docstring); the value's ``stop()`` runs after the last module using it. Assign it in the test
+    module: ``keyed_render = early_fixture("keyed_render", start_keyed_render)``."""
+    _STARTERS[name] = start
+    (_AFTER_CLUSTER_TESTS if after_cluster_tests else _EARLY_FIXTURES).append(name)
+
+    @pytest.fixture(name=name, scope="session")
+    def started() -> Any:
+        return _early.result(name)
+    return started
 
 
 @pytest.fixture(scope="session")

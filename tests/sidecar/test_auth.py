@@ -19,8 +19,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from urllib3.exceptions import InsecureRequestWarning
 
+from tests.harness.engine import early_fixture
 from tests.sidecar.support import SERVED, fake_config, fake_engine, run_sidecar, wait_for
-from disagg_engine.servers import start, stop_all
+from disagg_engine.servers import ManagedServer, start, stop_all
 from disagg_engine.testing.server_set import role_specs
 from disagg_engine.testing.tiny_model import ensure_model
 from disagg_sidecar import auth
@@ -64,10 +65,13 @@ class KeyedServer:
     url: str  # https://127.0.0.1:port
     ca_file: str
     other_ca_file: str  # a CA that did not sign the server's certificate
+    process: ManagedServer
+
+    def stop(self) -> None:
+        stop_all([self.process])
 
 
-@pytest.fixture(scope="module")
-def keyed_render() -> Iterator[KeyedServer]:
+def start_keyed_render() -> KeyedServer:
     """One ``launch render`` server (the cheapest real vLLM server) requiring ENGINE_KEY, on HTTPS."""
     logs = Path(tempfile.mkdtemp(prefix="disagg-auth-"))
     ca_key, other_key, server_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
@@ -83,9 +87,14 @@ def keyed_render() -> Iterator[KeyedServer]:
         url = f"https://127.0.0.1:{spec.port}"
         assert wait_for(lambda: _healthy(url) or not process.alive(), timeout=300, interval=0.5) and process.alive(), \
             process.log_tail()
-        yield KeyedServer(url, str(logs / "ca.crt"), str(logs / "other-ca.crt"))
-    finally:
+    except BaseException:
         stop_all([process])
+        raise
+    return KeyedServer(url, str(logs / "ca.crt"), str(logs / "other-ca.crt"), process)
+
+
+# Started in the background while the control-plane tests run (tests/harness/engine.py).
+keyed_render = early_fixture("keyed_render", start_keyed_render)
 
 
 def _healthy(url: str) -> bool:
