@@ -35,10 +35,10 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
