@@ -236,6 +236,7 @@ def _uses_start(item: pytest.Item, name: str) -> bool:
     return any(_uses(item, n) for n in (name, *_dependents(name)))
 
 
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: plan only for the tests that run
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules needing no engine first (those using the cluster before the others, so the starts
     waiting for them begin sooner), then the engine modules, e2e, the modules that kill the set's
