@@ -14,6 +14,7 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ CLUSTER_PORT_BASES = range(27400, 28000, 10)
 CLUSTER_BLOCK = 6
 
 _handed_out: set[int] = set()  # not yet bound by whoever asked: never hand them out twice
+_handing_out = threading.Lock()  # threads asking at once (seen: two proxies given one port)
 
 
 # --- ports -----------------------------------------------------------------------------------
@@ -34,11 +36,12 @@ _handed_out: set[int] = set()  # not yet bound by whoever asked: never hand them
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on or connects from, for a server about to start."""
     rng = random.SystemRandom()
-    for _ in range(1000):
-        port = rng.choice(SERVER_PORTS)
-        if port not in _handed_out and not port_in_use(port, host):
-            _handed_out.add(port)
-            return port
+    with _handing_out:
+        for _ in range(1000):
+            port = rng.choice(SERVER_PORTS)
+            if port not in _handed_out and not port_in_use(port, host):
+                _handed_out.add(port)
+                return port
     raise RuntimeError(f"no free port in {SERVER_PORTS.start}-{SERVER_PORTS.stop - 1}")
 
 
