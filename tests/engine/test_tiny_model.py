@@ -39,7 +39,7 @@ def sample_texts() -> list[str]:
     chars = [chr(c) for lo, hi in SCRIPTS for c in range(lo, hi)] + ["\n", "\t", "  ", "\r\n", "   \n"]
     mixed = ["".join(rng.choice(chars) for _ in range(rng.randint(1, 120))) for _ in range(400)]
     code = Path(tiny_model.__file__).read_text()
-    for special in tiny_model.SPECIAL_TOKENS:  # a tokenizer reads these as one token, tiktoken's text encoder as text
+    for special in tiny_model.SPECIAL_TOKENS:  # one token each here, text to tiktoken's encode_ordinary
         code = code.replace(special, "")
     return [MULTIBYTE, "The capital of France is Paris.", "  indented\n\n\tdef f(x):\n    return x ** 2\n", code, *mixed]
 
