@@ -26,7 +26,7 @@ def model() -> Path:
 
 @pytest.fixture(scope="module")
 def qwen_bpe() -> tiktoken.Encoding:
-    return tiny_model.qwen_encoding(tiny_model.qwen_ranks())
+    return tiny_model.qwen_encoding(tiny_model.model_ranks())
 
 
 def sample_texts() -> list[str]:

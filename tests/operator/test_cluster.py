@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from disagg_operator import names
-from disagg_operator.spec import API_VERSION, PLURAL
 from disagg_operator.manifest import parse_manifest
 from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, Role, build_plan
+from disagg_operator.spec import API_VERSION, PLURAL
 from disagg_sidecar.config import dump_config
 from tests.harness.cluster import Cluster, ClusterError
 from tests.operator.cases import EDGES, INVALID, Invalid, base, merged

