@@ -77,9 +77,13 @@ def test_operator_is_a_real_pod_under_its_service_account(cluster: Cluster, tiny
     dm = get(cluster, "dm", MODEL, "-n", tiny.ns)
     [cond] = [c for c in dm["status"]["conditions"] if c["type"] == "Ready"]
     assert cond["status"] == "True" and cond["observedGeneration"] == dm["metadata"]["generation"]
-    # The chart's least-privilege RBAC covers everything it does (nothing refused, not even once).
+    # The chart's least-privilege RBAC covers everything it does (nothing refused, not even once). Writes into a
+    # namespace being deleted (other tests' namespaces: the operator watches all) are refused as Forbidden too,
+    # with the cause NamespaceTerminating; those are not RBAC refusals.
     log = cluster.kubectl("logs", pod["metadata"]["name"], "-n", tiny.operator_ns).stdout
-    assert "Handler 'child-deployments' succeeded" in log and "Forbidden" not in log
+    assert "Handler 'child-deployments' succeeded" in log
+    refused = [line for line in log.splitlines() if "Forbidden" in line and "NamespaceTerminating" not in line]
+    assert not refused, refused
 
 
 def test_every_pool_runs_real_containers_ready_through_real_probes(cluster: Cluster, tiny: Deployed) -> None:
