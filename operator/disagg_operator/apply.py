@@ -22,24 +22,37 @@ FIELD_MANAGER = names.OPERATOR
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 MERGE = "application/merge-patch+json"
 
-class ApplyError(RuntimeError):
-    """The API server refused a request; ``permanent`` when retrying the same request cannot help."""
+NAMESPACE_TERMINATING = "NamespaceTerminating"  # the cause of a refused creation in a namespace being deleted
 
-    def __init__(self, message: str, status: int):
+
+class ApplyError(RuntimeError):
+    """The API server refused a request; ``permanent`` when retrying the same request cannot help.
+    ``causes``: the reasons the refusal lists (``details.causes[].reason``)."""
+
+    def __init__(self, message: str, status: int, causes: tuple[str, ...] = ()):
         super().__init__(message)
         self.status = status
+        self.causes = causes
 
     @property
     def permanent(self) -> bool:
         return self.status in (400, 403, 422)
 
+    @property
+    def namespace_terminating(self) -> bool:
+        """A creation refused because its namespace is being deleted (with everything in it)."""
+        return NAMESPACE_TERMINATING in self.causes
+
 
 def _error(exc: ApiException, what: str) -> ApplyError:
     try:
-        detail = json.loads(exc.body or "{}").get("message") or exc.reason
-    except (ValueError, AttributeError):
-        detail = exc.reason
-    return ApplyError(f"{what}: {exc.status} {detail}", exc.status or 0)
+        status = json.loads(exc.body or "{}")
+    except (ValueError, TypeError):
+        status = {}
+    status = status if isinstance(status, dict) else {}
+    details = status.get("details") if isinstance(status.get("details"), dict) else {}
+    causes = tuple(str(c.get("reason", "")) for c in details.get("causes") or [] if isinstance(c, dict))
+    return ApplyError(f"{what}: {exc.status} {status.get('message') or exc.reason}", exc.status or 0, causes)
 
 
 class KubeApi:

@@ -7,6 +7,9 @@
 - Status writes go through one coalescing writer per model that recomputes from the live state
   when it writes, so a burst of events costs a few writes and a stale status never lands last.
 - No finalizer: children carry controller ownerReferences, so deleting a model garbage-collects them.
+- A namespace being deleted takes its models and children with it: once the API server refuses a
+  creation there for that reason, the operator restores nothing and writes no status there (a
+  namespace of many models would otherwise mean a refused request and a refused Event per child).
 Status writes never trigger the update handler (kopf ignores status changes), and a pass with
 nothing to change writes nothing, so there is no hot loop and an operator restart is silent.
 """
@@ -52,6 +55,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # own writes; diffing against it would repeat writes during bursts of child events.
     memo.statuses = {}
     memo.unavailable = {}  # (namespace, name) -> CRDs its spec needs that the cluster lacks (last converge)
+    memo.terminating = set()  # namespaces being deleted (a creation there was refused for that reason)
     memo.status_writer = StatusWriter()
 
 
@@ -90,19 +94,29 @@ def _report(doc: Mapping[str, Any], outcome: Outcome, reason: str) -> None:
         kopf.info(ref, reason="Pruned", message=", ".join(outcome.pruned))
 
 
-def _converge(doc: Mapping[str, Any], children: kopf.Index, memo: kopf.Memo) -> Outcome:
+def _stand_aside(memo: kopf.Memo, namespace: str, logger: kopf.Logger) -> None:
+    if namespace not in memo.terminating:
+        memo.terminating.add(namespace)
+        logger.info(f"Namespace {namespace} is being deleted: nothing is restored there any more.")
+
+
+def _converge(doc: Mapping[str, Any], children: kopf.Index, memo: kopf.Memo, logger: kopf.Logger) -> Outcome:
     meta = doc["metadata"]
     started = time.monotonic()
     try:
         outcome = converge(doc, _live(children, meta["namespace"], meta["name"]), memo.api, now=_now())
     except ApplyError as exc:
         metrics.RECONCILES.labels("failed").inc()
+        if exc.namespace_terminating:  # the model goes with its namespace; an Event there would be refused too
+            _stand_aside(memo, meta["namespace"], logger)
+            raise kopf.PermanentError(str(exc)) from exc
         kopf.warn(_reference(doc), reason="ApplyFailed", message=str(exc))
         if exc.permanent:
             raise kopf.PermanentError(str(exc)) from exc
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from exc
     finally:
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+    memo.terminating.discard(meta["namespace"])  # a namespace of that name exists again
     metrics.RECONCILES.labels("invalid" if outcome.invalid else "applied" if outcome.applied or outcome.pruned
                               else "unchanged").inc()
     for label in outcome.applied:
@@ -119,10 +133,10 @@ def _converge(doc: Mapping[str, Any], children: kopf.Index, memo: kopf.Memo) -> 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, models: kopf.Index, children: kopf.Index,
-              **_: Any) -> None:
+              logger: kopf.Logger, **_: Any) -> None:
     doc = _plain(body)
     meta = doc["metadata"]
-    outcome = _converge(doc, children, memo)
+    outcome = _converge(doc, children, memo, logger)
     if outcome.invalid:
         changes = status_patch(doc.get("status"), outcome.invalid_status or {})
         if changes:
@@ -141,10 +155,10 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, models: kopf.
 # --- the children ------------------------------------------------------------------------------
 
 def child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo,
-                  models: kopf.Index, children: kopf.Index, **_: Any) -> None:
+                  models: kopf.Index, children: kopf.Index, logger: kopf.Logger, **_: Any) -> None:
     owners = list(models.get((namespace, labels.get(names.INSTANCE, "")), []))
-    if not owners:
-        return  # the model is gone: garbage collection removes its children
+    if not owners or namespace in memo.terminating:
+        return  # the model is gone, or going with its namespace: garbage collection removes its children
     doc = owners[0]
     meta = doc["metadata"]
     if meta.get("deletionTimestamp") or not drift.owned_by(body, meta["uid"]):
@@ -157,6 +171,9 @@ def child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, bod
     try:
         restored = restore_child(doc, _plain(body), deleted, memo.api)
     except ApplyError as exc:
+        if exc.namespace_terminating:
+            _stand_aside(memo, namespace, logger)
+            return
         kopf.warn(_reference(doc), reason="RestoreFailed", message=str(exc))
         return  # the next event for this child, or the model's own handler, tries again
     for label in restored:
@@ -172,7 +189,7 @@ def child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, bod
 def _refresh_status(namespace: str, name: str, memo: kopf.Memo, models: kopf.Index, children: kopf.Index) -> None:
     """Write the model's status as the live Deployments show it now, if that differs."""
     owners = list(models.get((namespace, name), []))
-    if not owners:
+    if not owners or namespace in memo.terminating:
         return
     doc = owners[0]
     key = (namespace, name)
