@@ -311,6 +311,55 @@ def test_an_operator_restart_writes_nothing(cluster: Cluster, crd_installed: Pat
         op.stop()
 
 
+# --- the engine API key Secret (its garbage collection is awaited: before the scale test's) -----
+
+def engine_key_secret(cluster: Cluster, ns: str, model: str) -> dict[str, Any] | None:
+    items = get(cluster, ns, "secrets", "-l", f"{names.INSTANCE}={model}")["items"]
+    return next((o for o in items if o["metadata"]["name"] == names.engine_api_key_secret(model)), None)
+
+
+def test_the_engine_key_secret_is_created_once_used_by_every_engine_and_collected(
+        cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+    cluster.wait_for(lambda: engine_key_secret(cluster, ns, "qwen3-8b"), "the engine key Secret", timeout=90)
+    first = engine_key_secret(cluster, ns, "qwen3-8b")
+    assert first is not None
+    assert first["metadata"]["ownerReferences"][0]["name"] == "qwen3-8b" and first["type"] == "Opaque"
+    assert len(base64.b64decode(first["data"][names.API_KEY_KEY])) >= 43
+    wait_ready(cluster, operator, ns, "qwen3-8b")
+
+    pods = deployments(cluster, ns, "qwen3-8b")
+    assert set(pods) == {"prefill", "decode", "render"}
+    ref = {"secretKeyRef": {"name": "qwen3-8b-engine-api-key", "key": names.API_KEY_KEY}}
+    for role, dep in pods.items():
+        spec = dep["spec"]["template"]["spec"]
+        vllm = next(c for c in spec["containers"] if c["name"] == names.VLLM_CONTAINER)
+        assert {"name": "VLLM_API_KEY", "valueFrom": ref} in vllm["env"], role
+        assert not any("api-key" in a for a in vllm["args"]), role
+    decode = pods["decode"]["spec"]["template"]["spec"]
+    volume = next(v for v in decode["volumes"] if v["name"] == "engine-api-key")
+    assert volume["secret"]["secretName"] == "qwen3-8b-engine-api-key"
+    sidecar = next(c for c in decode["containers"] if c["name"] == names.SIDECAR_CONTAINER)
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "engine-api-key")
+    config = yaml.safe_load(get(cluster, ns, "configmap", "qwen3-8b-config")["data"]["sidecar.yaml"])
+    assert config["auth"]["engine_api_key_file"] == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+
+    # Reconciles (a spec change; an operator-visible child event) leave the Secret as it is.
+    cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"router": {"retries": 2}}}))
+    generation = get(cluster, ns, "dm", "qwen3-8b")["metadata"]["generation"]
+    wait_ready(cluster, operator, ns, "qwen3-8b", generation)
+    cluster.kubectl("delete", "deployment", "qwen3-8b-render", "-n", ns, "--wait=false")
+    cluster.wait_for(lambda: "render" in deployments(cluster, ns, "qwen3-8b"), "the render Deployment back", timeout=90)
+    again = engine_key_secret(cluster, ns, "qwen3-8b")
+    assert again is not None and again["data"] == first["data"]
+    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+
+    cluster.kubectl("delete", "dm", "qwen3-8b", "-n", ns, "--wait=false")
+    cluster.wait_for(lambda: engine_key_secret(cluster, ns, "qwen3-8b") is None,
+                     "garbage collection of the Secret", timeout=180)
+
+
 # --- scale -------------------------------------------------------------------------------------
 
 FIFTY_GOAL_SECONDS = 30.0
@@ -463,55 +512,6 @@ def test_network_policies_are_on_by_default_restored_and_pruned_when_disabled(
     cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
                     "-p", json.dumps({"spec": {"networkPolicy": {"enabled": True}}}))
     cluster.wait_for(lambda: set(network_policies(cluster, ns, "qwen3-8b")) == pools, "the policies back", timeout=90)
-
-
-# --- the engine API key Secret ---------------------------------------------------------------------
-
-def engine_key_secret(cluster: Cluster, ns: str, model: str) -> dict[str, Any] | None:
-    items = get(cluster, ns, "secrets", "-l", f"{names.INSTANCE}={model}")["items"]
-    return next((o for o in items if o["metadata"]["name"] == names.engine_api_key_secret(model)), None)
-
-
-def test_the_engine_key_secret_is_created_once_used_by_every_engine_and_collected(
-        cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
-    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
-    cluster.wait_for(lambda: engine_key_secret(cluster, ns, "qwen3-8b"), "the engine key Secret", timeout=90)
-    first = engine_key_secret(cluster, ns, "qwen3-8b")
-    assert first is not None
-    assert first["metadata"]["ownerReferences"][0]["name"] == "qwen3-8b" and first["type"] == "Opaque"
-    assert len(base64.b64decode(first["data"][names.API_KEY_KEY])) >= 43
-    wait_ready(cluster, operator, ns, "qwen3-8b")
-
-    pods = deployments(cluster, ns, "qwen3-8b")
-    assert set(pods) == {"prefill", "decode", "render"}
-    ref = {"secretKeyRef": {"name": "qwen3-8b-engine-api-key", "key": names.API_KEY_KEY}}
-    for role, dep in pods.items():
-        spec = dep["spec"]["template"]["spec"]
-        vllm = next(c for c in spec["containers"] if c["name"] == names.VLLM_CONTAINER)
-        assert {"name": "VLLM_API_KEY", "valueFrom": ref} in vllm["env"], role
-        assert not any("api-key" in a for a in vllm["args"]), role
-    decode = pods["decode"]["spec"]["template"]["spec"]
-    volume = next(v for v in decode["volumes"] if v["name"] == "engine-api-key")
-    assert volume["secret"]["secretName"] == "qwen3-8b-engine-api-key"
-    sidecar = next(c for c in decode["containers"] if c["name"] == names.SIDECAR_CONTAINER)
-    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "engine-api-key")
-    config = yaml.safe_load(get(cluster, ns, "configmap", "qwen3-8b-config")["data"]["sidecar.yaml"])
-    assert config["auth"]["engine_api_key_file"] == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
-
-    # Reconciles (a spec change; an operator-visible child event) leave the Secret as it is.
-    cluster.kubectl("patch", "dm", "qwen3-8b", "-n", ns, "--type=merge",
-                    "-p", json.dumps({"spec": {"router": {"retries": 2}}}))
-    generation = get(cluster, ns, "dm", "qwen3-8b")["metadata"]["generation"]
-    wait_ready(cluster, operator, ns, "qwen3-8b", generation)
-    cluster.kubectl("delete", "deployment", "qwen3-8b-render", "-n", ns, "--wait=false")
-    cluster.wait_for(lambda: "render" in deployments(cluster, ns, "qwen3-8b"), "the render Deployment back", timeout=90)
-    again = engine_key_secret(cluster, ns, "qwen3-8b")
-    assert again is not None and again["data"] == first["data"]
-    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
-
-    cluster.kubectl("delete", "dm", "qwen3-8b", "-n", ns, "--wait=false")
-    cluster.wait_for(lambda: engine_key_secret(cluster, ns, "qwen3-8b") is None,
-                     "garbage collection of the Secret", timeout=180)
 
 
 def test_a_namespace_being_deleted_is_left_to_its_deletion(cluster: Cluster, operator: OperatorProcess, ns: str) -> None:
