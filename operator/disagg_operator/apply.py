@@ -75,12 +75,17 @@ class KubeApi:
         configuration.connection_pool_maxsize = connections
         return cls(client.ApiClient(configuration))
 
+    def _api(self, name: str) -> Any:
+        """The client's ``name`` API (``CoreV1Api``...), made once: ``kubernetes.client`` resolves its
+        names through an import under a module lock, which the handler threads would queue on."""
+        if name not in self._apis:
+            self._apis[name] = getattr(client, name)(self._client)
+        return self._apis[name]
+
     def _call(self, obj: Mapping[str, Any], verb: str, *args: Any, **kwargs: Any) -> Any:
         """``<verb>_<kind's suffix>`` for ``obj``'s name and namespace (custom kinds: and group/version/plural)."""
         kind = BY_TYPE[(obj["apiVersion"], obj["kind"])]
-        if kind.client not in self._apis:
-            self._apis[kind.client] = getattr(client, kind.client)(self._client)
-        method = getattr(self._apis[kind.client], f"{verb}_{kind.method_suffix}")
+        method = getattr(self._api(kind.client), f"{verb}_{kind.method_suffix}")
         meta = obj["metadata"]
         if kind.custom:
             group, _, version = kind.api_version.rpartition("/")
@@ -103,10 +108,9 @@ class KubeApi:
         whether it was created. Needs only ``create``: the object is never read back."""
         meta = obj["metadata"]
         kind = BY_TYPE[(obj["apiVersion"], obj["kind"])]
-        api = getattr(client, kind.client)(self._client)
         try:
-            getattr(api, f"create_{kind.method_suffix}")(meta["namespace"], dict(obj), field_manager=FIELD_MANAGER,
-                                                           _preload_content=False)
+            create = getattr(self._api(kind.client), f"create_{kind.method_suffix}")
+            create(meta["namespace"], dict(obj), field_manager=FIELD_MANAGER, _preload_content=False)
         except ApiException as exc:
             if exc.status == 409:  # AlreadyExists: created before (kept across reconciles)
                 return False
@@ -131,7 +135,7 @@ class KubeApi:
             return True
         group, _, version = kind.api_version.rpartition("/")
         try:
-            response = client.CustomObjectsApi(self._client).get_api_resources(group, version, _preload_content=False)
+            response = self._api("CustomObjectsApi").get_api_resources(group, version, _preload_content=False)
         except ApiException as exc:
             if exc.status == 404:
                 return False
@@ -141,7 +145,7 @@ class KubeApi:
     def model_exists(self, namespace: str, name: str, uid: str) -> bool:
         """Whether this very DisaggregatedModel (same uid) still exists."""
         try:
-            response = client.CustomObjectsApi(self._client).get_namespaced_custom_object(
+            response = self._api("CustomObjectsApi").get_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, name, _preload_content=False)
         except ApiException as exc:
             if exc.status == 404:
@@ -152,7 +156,7 @@ class KubeApi:
     def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         """Merge-patch the DisaggregatedModel's status subresource."""
         try:
-            client.CustomObjectsApi(self._client).patch_namespaced_custom_object_status(
+            self._api("CustomObjectsApi").patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, PLURAL, name, {"status": dict(patch)}, field_manager=FIELD_MANAGER,
                 _content_type=MERGE, _preload_content=False,
             )
