@@ -56,6 +56,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.statuses = {}
     memo.unavailable = {}  # (namespace, name) -> CRDs its spec needs that the cluster lacks (last converge)
     memo.terminating = set()  # namespaces being deleted (a creation there was refused for that reason)
+    memo.terminating_lock = threading.Lock()  # handlers run in threads: the first refusal says so once
     memo.status_writer = StatusWriter()
 
 
@@ -95,8 +96,10 @@ def _report(doc: Mapping[str, Any], outcome: Outcome, reason: str) -> None:
 
 
 def _stand_aside(memo: kopf.Memo, namespace: str, logger: kopf.Logger) -> None:
-    if namespace not in memo.terminating:
+    with memo.terminating_lock:
+        first = namespace not in memo.terminating
         memo.terminating.add(namespace)
+    if first:
         logger.info(f"Namespace {namespace} is being deleted: nothing is restored there any more.")
 
 
@@ -158,7 +161,7 @@ def child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, bod
                   models: kopf.Index, children: kopf.Index, logger: kopf.Logger, **_: Any) -> None:
     owners = list(models.get((namespace, labels.get(names.INSTANCE, "")), []))
     if not owners or namespace in memo.terminating:
-        return  # the model is gone, or going with its namespace: garbage collection removes its children
+        return  # the model is gone (garbage collection removes its children) or going with its namespace
     doc = owners[0]
     meta = doc["metadata"]
     if meta.get("deletionTimestamp") or not drift.owned_by(body, meta["uid"]):
