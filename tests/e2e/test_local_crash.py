@@ -21,13 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from disagg_cli.local.runner import Deployment, find_state
+from disagg_cli.local.runner import Deployment, find_state, status
 from disagg_engine.servers import pid_alive, signal_group
 from tests.harness.engine import disagg
 from tests.sidecar.support import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reliability]
 RESTART_TIMEOUT = 600  # two vLLM engines starting side by side on a loaded 2-core machine
+POLL = 0.5  # each poll asks every process's /health
 PROMPT = [1000 + i for i in range(160)]  # long enough for remote prefill (min_prompt_tokens 130)
 
 
@@ -37,7 +38,10 @@ def _status(local_tiny) -> dict[str, dict]:
 
 
 def _all_healthy(local_tiny) -> bool:
-    return all(m["healthy"] for m in _status(local_tiny).values()) and _ready(local_tiny.endpoint)
+    """What `disagg status` reports, read in-process: polled, a CLI process each time would take
+    a core from the engines restarting."""
+    report = status(find_state(local_tiny.state, None))
+    return all(m["healthy"] for ms in report["pools"].values() for m in ms) and _ready(local_tiny.endpoint)
 
 
 def _ready(endpoint: str) -> bool:
@@ -77,7 +81,7 @@ def _openai_error(status: int, body: dict) -> bool:
 
 def test_sigkill_of_prefill_then_decode_under_a_request_stream(local_tiny, doomed_engines):
     local = local_tiny
-    assert wait_for(lambda: _all_healthy(local), timeout=RESTART_TIMEOUT), _status(local)
+    assert wait_for(lambda: _all_healthy(local), timeout=RESTART_TIMEOUT, interval=POLL), _status(local)
     state = find_state(local.state, None)
     procs = {p["name"]: p for p in Deployment.load(state).processes}
     before = _status(local)
@@ -108,7 +112,7 @@ def test_sigkill_of_prefill_then_decode_under_a_request_stream(local_tiny, doome
     assert wait_for(lambda: not _ready(local.endpoint), timeout=10)  # readiness reports it
 
     # Both back within their budget (new pids, one restart more each); then requests succeed.
-    assert wait_for(lambda: _all_healthy(local), timeout=RESTART_TIMEOUT), _status(local)
+    assert wait_for(lambda: _all_healthy(local), timeout=RESTART_TIMEOUT, interval=POLL), _status(local)
     after = _status(local)
     for name in ("prefill-0", "decode-0"):
         assert after[name]["restarts"] == before[name]["restarts"] + 1, after[name]
