@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from disagg_cli.local.runner import Deployment, find_state, status
+from disagg_cli.local.runner import Deployment, find_state
+from disagg_cli.local.runner import status as deployment_status
 from disagg_engine.servers import pid_alive, signal_group
 from tests.harness.engine import disagg
 from tests.sidecar.support import wait_for
@@ -40,7 +41,7 @@ def _status(local_tiny) -> dict[str, dict]:
 def _all_healthy(local_tiny) -> bool:
     """What `disagg status` reports, read in-process: polled, a CLI process each time would take
     a core from the engines restarting."""
-    report = status(find_state(local_tiny.state, None))
+    report = deployment_status(find_state(local_tiny.state, None))
     return all(m["healthy"] for ms in report["pools"].values() for m in ms) and _ready(local_tiny.endpoint)
 
 
