@@ -49,6 +49,7 @@ from disagg_engine.testing.server_set import ServerSet, role_specs, start_server
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.engine.session_renders import Render
 from tests.harness.forced import Forcer
+from tests.harness.start_priority import StartPriority
 
 ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
@@ -165,6 +166,10 @@ class _EarlyStarts:
         self.submit(name)  # not foreseen at collection (e.g. getfixturevalue): start now
         return self._futures[name].result()
 
+    def then(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` in the thread once the starts submitted so far are done."""
+        self._pool.submit(fn)
+
     def stop(self, name: str) -> None:
         future = self._futures.get(name)
         if future is not None and future.done() and not future.cancelled() and future.exception() is None:
@@ -221,6 +226,7 @@ def _start_session_renders() -> SessionRenders:
 _STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo,
                                   "engine_set_033": _start_lane_set, "session_renders": _start_session_renders}
 _early = _EarlyStarts()
+_start_priority = StartPriority()
 
 
 def _uses(item: pytest.Item, name: str) -> bool:
@@ -279,9 +285,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for name, var in _ATTACH.items():
         if os.environ.get(var):
             wanted.discard(name)
-    for name in _EARLY_FIXTURES:
-        if name in wanted:
+    starts = [name for name in _EARLY_FIXTURES if name in wanted]
+    if starts:
+        _start_priority.start()  # before the first server: they inherit its marker
+        for name in starts:
             _early.submit(name)
+        _early.then(_start_priority.stop)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -293,6 +302,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _start_priority.stop()  # also when a failed start left it queued
     _early.stop_all()
 
 
