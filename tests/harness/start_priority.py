@@ -20,7 +20,7 @@ from pathlib import Path
 MARK = "DISAGG_TEST_SESSION"
 LOW = 19
 SCAN_SECONDS = 0.5
-VLLM = (b"vllm.entrypoints", b"spawn_main")  # an API server, render or its engine core
+VLLM = b"vllm.entrypoints"  # an API server or render; the engine core it spawns shares its session
 
 
 def _ours(token: str) -> Iterator[Path]:
@@ -30,8 +30,7 @@ def _ours(token: str) -> Iterator[Path]:
         if not proc.name.isdigit():
             continue
         try:
-            vllm = any(v in (proc / "cmdline").read_bytes() for v in VLLM)
-            if vllm and mark in (proc / "environ").read_bytes().split(b"\0"):
+            if VLLM in (proc / "cmdline").read_bytes() and mark in (proc / "environ").read_bytes().split(b"\0"):
                 yield proc
         except OSError:  # gone, or not ours to read
             continue
