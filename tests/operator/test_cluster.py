@@ -32,8 +32,9 @@ from tests.operator.builders import PARSER_FLAGS, TOKENIZER_FLAGS, flags
 pytestmark = pytest.mark.cluster
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b.yaml"
-# The kinds the operator creates and their API collections: polls that count them run in-process (a
-# kubectl process per poll would compete with the operator being timed).
+# The kinds the operator creates and their API collections. What the tests poll is read in-process
+# (a kubectl process per poll costs ~0.1 CPU-s beside the operator and API server being waited for);
+# what a user would do, applying and patching, goes through kubectl.
 COLLECTIONS = {"secrets": "api/v1", "serviceaccounts": "api/v1", "configmaps": "api/v1", "services": "api/v1",
                "roles": "apis/rbac.authorization.k8s.io/v1", "rolebindings": "apis/rbac.authorization.k8s.io/v1",
                "deployments": "apis/apps/v1", "horizontalpodautoscalers": "apis/autoscaling/v2",
@@ -56,9 +57,21 @@ def get(cluster: Cluster, ns: str, *what: str) -> dict[str, Any]:
     return json.loads(cluster.kubectl("get", "-n", ns, *what, "-o", "json").stdout)
 
 
+def listed(cluster: Cluster, ns: str, plural: str, model: str) -> tuple[str, list[dict[str, Any]]]:
+    """The kind and the items of ``model``'s children in one collection (in-process)."""
+    selector = urllib.parse.quote(f"{names.INSTANCE}={model}")
+    found = cluster.api("GET", f"/{COLLECTIONS[plural]}/namespaces/{ns}/{plural}?labelSelector={selector}")
+    return found["kind"].removesuffix("List"), found["items"] or []
+
+
 def children(cluster: Cluster, ns: str, model: str) -> dict[tuple[str, str], dict[str, Any]]:
-    items = get(cluster, ns, KINDS, "-l", f"{names.INSTANCE}={model}", "--show-managed-fields")["items"]
-    return {(o["kind"], o["metadata"]["name"]): o for o in items}
+    return {(kind, o["metadata"]["name"]): {"kind": kind, **o}
+            for kind, items in (listed(cluster, ns, plural, model) for plural in COLLECTIONS) for o in items}
+
+
+def model(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    """The DisaggregatedModel as stored (in-process)."""
+    return cluster.api("GET", f"/apis/{API_VERSION}/namespaces/{ns}/{PLURAL}/{name}")
 
 
 def expected_plan(doc: dict[str, Any], ns: str) -> Plan:
@@ -76,7 +89,7 @@ def condition(obj: dict[str, Any], kind: str) -> str | None:
 
 def wait_ready(cluster: Cluster, op: OperatorProcess, ns: str, name: str, generation: int | None = None) -> dict[str, Any]:
     def ready() -> dict[str, Any] | None:
-        dm = get(cluster, ns, "dm", name)
+        dm = model(cluster, ns, name)
         status = dm.get("status", {})
         current = status.get("observedGeneration") == (generation or dm["metadata"]["generation"])
         return dm if current and condition(dm, "Ready") == "True" else None
@@ -98,9 +111,8 @@ def template_hash(deployment: dict[str, Any]) -> str:
     return deployment["spec"]["template"]["metadata"]["annotations"][names.CONFIG_HASH]
 
 
-def deployments(cluster: Cluster, ns: str, model: str) -> dict[str, dict[str, Any]]:
-    items = get(cluster, ns, "deployments", "-l", f"{names.INSTANCE}={model}")["items"]
-    return {o["metadata"]["labels"][names.POOL]: o for o in items}
+def deployments(cluster: Cluster, ns: str, name: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["labels"][names.POOL]: o for o in listed(cluster, ns, "deployments", name)[1]}
 
 
 # --- the example -------------------------------------------------------------------------------
@@ -437,7 +449,7 @@ def test_status_records_the_derender_strategy_the_spec_makes(cluster: Cluster, o
 
     def shows(strategy: str) -> dict[str, Any]:
         def probe() -> dict[str, Any] | None:
-            dm = get(cluster, ns, "dm", "strategy")
+            dm = model(cluster, ns, "strategy")
             current = dm.get("status", {}).get("observedGeneration") == dm["metadata"]["generation"]
             return dm if current and dm["status"].get("derender") == {"strategy": strategy} else None
         return cluster.wait_for(probe, f"status.derender.strategy {strategy}", timeout=READY_TIMEOUT)
