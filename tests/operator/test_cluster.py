@@ -57,16 +57,16 @@ def get(cluster: Cluster, ns: str, *what: str) -> dict[str, Any]:
     return json.loads(cluster.kubectl("get", "-n", ns, *what, "-o", "json").stdout)
 
 
-def listed(cluster: Cluster, ns: str, plural: str, model: str) -> tuple[str, list[dict[str, Any]]]:
-    """The kind and the items of ``model``'s children in one collection (in-process)."""
-    selector = urllib.parse.quote(f"{names.INSTANCE}={model}")
+def listed(cluster: Cluster, ns: str, plural: str, instance: str) -> tuple[str, list[dict[str, Any]]]:
+    """The kind and the items of model ``instance``'s children in one collection (in-process)."""
+    selector = urllib.parse.quote(f"{names.INSTANCE}={instance}")
     found = cluster.api("GET", f"/{COLLECTIONS[plural]}/namespaces/{ns}/{plural}?labelSelector={selector}")
     return found["kind"].removesuffix("List"), found["items"] or []
 
 
-def children(cluster: Cluster, ns: str, model: str) -> dict[tuple[str, str], dict[str, Any]]:
+def children(cluster: Cluster, ns: str, instance: str) -> dict[tuple[str, str], dict[str, Any]]:
     return {(kind, o["metadata"]["name"]): {"kind": kind, **o}
-            for kind, items in (listed(cluster, ns, plural, model) for plural in COLLECTIONS) for o in items}
+            for kind, items in (listed(cluster, ns, plural, instance) for plural in COLLECTIONS) for o in items}
 
 
 def model(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
@@ -111,8 +111,8 @@ def template_hash(deployment: dict[str, Any]) -> str:
     return deployment["spec"]["template"]["metadata"]["annotations"][names.CONFIG_HASH]
 
 
-def deployments(cluster: Cluster, ns: str, name: str) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["labels"][names.POOL]: o for o in listed(cluster, ns, "deployments", name)[1]}
+def deployments(cluster: Cluster, ns: str, instance: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["labels"][names.POOL]: o for o in listed(cluster, ns, "deployments", instance)[1]}
 
 
 # --- the example -------------------------------------------------------------------------------
@@ -325,9 +325,9 @@ def test_an_operator_restart_writes_nothing(cluster: Cluster, crd_installed: Pat
 
 # --- the engine API key Secret (its garbage collection is awaited: before the scale test's) -----
 
-def engine_key_secret(cluster: Cluster, ns: str, model: str) -> dict[str, Any] | None:
-    items = get(cluster, ns, "secrets", "-l", f"{names.INSTANCE}={model}")["items"]
-    return next((o for o in items if o["metadata"]["name"] == names.engine_api_key_secret(model)), None)
+def engine_key_secret(cluster: Cluster, ns: str, instance: str) -> dict[str, Any] | None:
+    name = names.engine_api_key_secret(instance)
+    return next((o for o in listed(cluster, ns, "secrets", instance)[1] if o["metadata"]["name"] == name), None)
 
 
 def test_the_engine_key_secret_is_created_once_used_by_every_engine_and_collected(
@@ -472,9 +472,8 @@ def test_status_records_the_derender_strategy_the_spec_makes(cluster: Cluster, o
 
 # --- NetworkPolicies (the local control plane enforces none: the objects are what is checked) -----
 
-def network_policies(cluster: Cluster, ns: str, model: str) -> dict[str, dict[str, Any]]:
-    items = get(cluster, ns, "networkpolicies", "-l", f"{names.INSTANCE}={model}")["items"]
-    return {o["metadata"]["name"]: o for o in items}
+def network_policies(cluster: Cluster, ns: str, instance: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in listed(cluster, ns, "networkpolicies", instance)[1]}
 
 
 def test_network_policies_are_on_by_default_restored_and_pruned_when_disabled(

@@ -2,7 +2,7 @@
 60 s, twice the 50-model test's goal for twice the objects (tests/operator/test_cluster.py), or, on a
 machine where the API server itself is slower than that, within 3× what `kubectl apply
 --server-side` needs for the very same objects in the same run (measured only then: 1,800 objects
-take it 19-26 s here, and deleting them as much again of the controller manager's work). `make
+take it 14-26 s here, and deleting them as much again of the controller manager's work). `make
 bench BENCH=operator` runs 50 and 500 against the goal of 2× kubectl, always measured (500 here took
 9.5 min of the suite's 15-minute budget on 2 cores)."""
 
