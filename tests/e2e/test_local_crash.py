@@ -33,16 +33,19 @@ POLL = 0.5  # each poll asks every process's /health
 PROMPT = [1000 + i for i in range(160)]  # long enough for remote prefill (min_prompt_tokens 130)
 
 
-def _status(local_tiny) -> dict[str, dict]:
-    report = json.loads(disagg("status", "--json", "--state-dir", str(local_tiny.state)).stdout)
+def _members(report: dict) -> dict[str, dict]:
     return {m["name"]: m for ms in report["pools"].values() for m in ms}
+
+
+def _status(local_tiny) -> dict[str, dict]:
+    return _members(json.loads(disagg("status", "--json", "--state-dir", str(local_tiny.state)).stdout))
 
 
 def _all_healthy(local_tiny) -> bool:
     """What `disagg status` reports, read in-process: polled, a CLI process each time would take
     a core from the engines restarting."""
-    report = deployment_status(find_state(local_tiny.state, None))
-    return all(m["healthy"] for ms in report["pools"].values() for m in ms) and _ready(local_tiny.endpoint)
+    members = _members(deployment_status(find_state(local_tiny.state, None)))
+    return all(m["healthy"] for m in members.values()) and _ready(local_tiny.endpoint)
 
 
 def _ready(endpoint: str) -> bool:

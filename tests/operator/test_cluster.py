@@ -57,16 +57,23 @@ def get(cluster: Cluster, ns: str, *what: str) -> dict[str, Any]:
     return json.loads(cluster.kubectl("get", "-n", ns, *what, "-o", "json").stdout)
 
 
-def listed(cluster: Cluster, ns: str, plural: str, instance: str) -> tuple[str, list[dict[str, Any]]]:
-    """The kind and the items of model ``instance``'s children in one collection (in-process)."""
-    selector = urllib.parse.quote(f"{names.INSTANCE}={instance}")
-    found = cluster.api("GET", f"/{COLLECTIONS[plural]}/namespaces/{ns}/{plural}?labelSelector={selector}")
+def listed(cluster: Cluster, ns: str, plural: str, label: str, accept: str = "application/json"
+           ) -> tuple[str, list[dict[str, Any]]]:
+    """The kind and the items labelled ``label`` (``key=value``) in one collection (in-process)."""
+    selector = urllib.parse.quote(label)
+    found = cluster.api("GET", f"/{COLLECTIONS[plural]}/namespaces/{ns}/{plural}?labelSelector={selector}",
+                        accept=accept)
     return found["kind"].removesuffix("List"), found["items"] or []
+
+
+def of(instance: str) -> str:
+    """The label selector of model ``instance``'s children."""
+    return f"{names.INSTANCE}={instance}"
 
 
 def children(cluster: Cluster, ns: str, instance: str) -> dict[tuple[str, str], dict[str, Any]]:
     return {(kind, o["metadata"]["name"]): {"kind": kind, **o}
-            for kind, items in (listed(cluster, ns, plural, instance) for plural in COLLECTIONS) for o in items}
+            for kind, items in (listed(cluster, ns, plural, of(instance)) for plural in COLLECTIONS) for o in items}
 
 
 def model(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
@@ -112,7 +119,7 @@ def template_hash(deployment: dict[str, Any]) -> str:
 
 
 def deployments(cluster: Cluster, ns: str, instance: str) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["labels"][names.POOL]: o for o in listed(cluster, ns, "deployments", instance)[1]}
+    return {o["metadata"]["labels"][names.POOL]: o for o in listed(cluster, ns, "deployments", of(instance))[1]}
 
 
 # --- the example -------------------------------------------------------------------------------
@@ -327,7 +334,7 @@ def test_an_operator_restart_writes_nothing(cluster: Cluster, crd_installed: Pat
 
 def engine_key_secret(cluster: Cluster, ns: str, instance: str) -> dict[str, Any] | None:
     name = names.engine_api_key_secret(instance)
-    return next((o for o in listed(cluster, ns, "secrets", instance)[1] if o["metadata"]["name"] == name), None)
+    return next((o for o in listed(cluster, ns, "secrets", of(instance))[1] if o["metadata"]["name"] == name), None)
 
 
 def test_the_engine_key_secret_is_created_once_used_by_every_engine_and_collected(
@@ -392,11 +399,10 @@ def test_fifty_models_at_once_are_fully_applied_within_the_bound(cluster: Cluste
                      "earlier tests' namespaces deleted", timeout=300, interval=0.5)
     record_property("fifty_models_waited_for_deletions_seconds", round(time.monotonic() - quiet, 1))
 
-    selector = urllib.parse.quote(f"{names.MANAGED_BY}={names.OPERATOR}")
-
     def applied(namespace: str) -> bool:
-        return want <= sum(len(cluster.api("GET", f"/{group}/namespaces/{namespace}/{kind}?labelSelector={selector}",
-                                           accept=METADATA_ONLY)["items"] or []) for kind, group in COLLECTIONS.items())
+        managed = f"{names.MANAGED_BY}={names.OPERATOR}"
+        return want <= sum(len(listed(cluster, namespace, plural, managed, accept=METADATA_ONLY)[1])
+                           for plural in COLLECTIONS)
 
     start = time.monotonic()
     apply(cluster, ns, *docs)
@@ -473,7 +479,7 @@ def test_status_records_the_derender_strategy_the_spec_makes(cluster: Cluster, o
 # --- NetworkPolicies (the local control plane enforces none: the objects are what is checked) -----
 
 def network_policies(cluster: Cluster, ns: str, instance: str) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["name"]: o for o in listed(cluster, ns, "networkpolicies", instance)[1]}
+    return {o["metadata"]["name"]: o for o in listed(cluster, ns, "networkpolicies", of(instance))[1]}
 
 
 def test_network_policies_are_on_by_default_restored_and_pruned_when_disabled(
