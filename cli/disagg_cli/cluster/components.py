@@ -79,7 +79,7 @@ metadata:
   annotations: {{kwok.x-k8s.io/node: fake, node.alpha.kubernetes.io/ttl: "0"}}
   labels: {{kubernetes.io/hostname: {n}, kubernetes.io/os: linux, kubernetes.io/arch: amd64, type: kwok}}
 status:
-  allocatable: {{cpu: "32", memory: 256Gi, pods: "110", nvidia.com/gpu: "8"}}
-  capacity: {{cpu: "32", memory: 256Gi, pods: "110", nvidia.com/gpu: "8"}}
+  allocatable: {{cpu: "96", memory: 1152Gi, pods: "110", nvidia.com/gpu: "8"}}
+  capacity: {{cpu: "96", memory: 1152Gi, pods: "110", nvidia.com/gpu: "8"}}
   nodeInfo: {{architecture: amd64, operatingSystem: linux, kubeletVersion: fake, kubeProxyVersion: fake}}
 """ for n in NODES)
