@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,17 +280,41 @@ def ensure_cluster() -> Cluster:
     return Cluster.from_state_dir(state_dir)
 
 
+_starting: Future[Cluster] | None = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the control plane in the background as soon as a collected test needs it: the modules
+    that need neither it nor an engine run first (tests/harness/engine.py orders them)."""
+    global _starting
+    if not session.config.option.collectonly and any(
+            "cluster" in getattr(item, "fixturenames", ()) for item in session.items):
+        _starting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cluster-start").submit(ensure_cluster)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Release a cluster started in the background for tests that never ran (e.g. after ``-x``)."""
+    if _starting is not None and _starting.exception() is None:
+        _release_session(_starting.result())
+
+
+def _release_session(c: Cluster) -> None:
+    global _starting
+    _starting = None
+    with _session_lock(c.state_dir):
+        error = _release(c.state_dir)
+    if error:
+        raise ClusterError(error)
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     """The real control plane: etcd, kube-apiserver, controller-manager, scheduler, kwok (2 nodes)."""
-    c = ensure_cluster()
+    c = _starting.result() if _starting is not None else ensure_cluster()
     try:
         yield c
     finally:
-        with _session_lock(c.state_dir):
-            error = _release(c.state_dir)
-        if error:
-            raise ClusterError(error)
+        _release_session(c)
 
 
 @dataclass

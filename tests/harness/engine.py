@@ -244,10 +244,11 @@ def _uses_start(item: pytest.Item, name: str) -> bool:
 
 @pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselection: plan only for the tests that run
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules needing no engine first (those using the cluster before the others, so the starts
-    waiting for them begin sooner), then the engine modules, e2e, the modules that kill the set's
-    prefill and decode, and last the one that takes the deployment down; stable, so module and
-    test order are kept within each group."""
+    """Modules needing no engine first: those needing neither the cluster nor a background start
+    while the control plane starts (tests/harness/cluster.py), then those using the cluster (so the
+    starts waiting for them begin sooner), then the rest; then the engine modules, e2e, the modules
+    that kill the set's prefill and decode, and last the one that takes the deployment down;
+    stable, so module and test order are kept within each group."""
     def weight(item: pytest.Item) -> int:
         if _uses(item, "final_local_tiny"):
             return 4
@@ -262,7 +263,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:
         weights[module(item)] = max(weights.get(module(item), 0), weight(item))
     on_cluster = {module(item) for item in items if _uses(item, "cluster")}
-    items.sort(key=lambda item: (weights[module(item)], not weights[module(item)] and module(item) not in on_cluster))
+    waiting = {module(item) for item in items if any(_uses(item, name) for name in _STARTERS)}
+    no_engine_group = lambda m: 1 if m in on_cluster else 2 if m in waiting else 0
+    items.sort(key=lambda item: (weights[module(item)], weights[module(item)] or no_engine_group(module(item))))
     first_group = [item for item in items if weights[module(item)] == 0 and _uses(item, "cluster")]
     for name in _AFTER_CLUSTER_TESTS:
         if first_group and any(_uses(item, name) for item in items):
