@@ -13,6 +13,7 @@ import yaml
 
 from disagg_cli.cluster import components, pki
 from disagg_cli.cluster.layout import COMPONENTS, Cluster, Ports, state_dir
+from disagg_operator.commands import render_manifests
 
 BIN = "/opt/k8s/bin"
 STARTERS = (components.etcd, components.apiserver, components.controller_manager, components.scheduler,
@@ -159,8 +160,6 @@ def test_the_fake_nodes_hold_the_gpu_example_four_times_over():
     """The operator cluster tests make a model per test and delete its namespace in the background:
     the pods of four examples/qwen3-8b.yaml models fit on the kwok nodes at once (first fit), so a
     test's model becomes Ready without waiting for earlier tests' pods to go."""
-    from disagg_operator.commands import render_manifests
-
     example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "qwen3-8b.yaml").read_text())
     pods = []
     for obj in render_manifests([example], "default"):
