@@ -6,10 +6,12 @@ from __future__ import annotations
 import base64
 import re
 import subprocess
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import yaml
+from kubernetes.utils import parse_quantity
 
 from disagg_cli.cluster import components, pki
 from disagg_cli.cluster.layout import COMPONENTS, Cluster, Ports, state_dir
@@ -150,12 +152,6 @@ def test_fake_nodes_are_kwok_managed_with_gpus():
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
 
 
-def _quantity(value: str | int) -> float:
-    number = re.fullmatch(r"([0-9.]+)(m|Ki|Mi|Gi|Ti)?", str(value))
-    assert number, value
-    return float(number[1]) * {None: 1, "m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}[number[2]]
-
-
 def test_the_fake_nodes_hold_the_gpu_example_four_times_over():
     """The operator cluster tests make a model per test and delete its namespace in the background:
     the pods of four examples/qwen3-8b.yaml models fit on the kwok nodes at once (first fit), so a
@@ -164,13 +160,13 @@ def test_the_fake_nodes_hold_the_gpu_example_four_times_over():
     pods = []
     for obj in render_manifests([example], "default"):
         if obj["kind"] == "Deployment":
-            requests: dict[str, float] = {}
+            requests: dict[str, Decimal] = {}
             for container in obj["spec"]["template"]["spec"]["containers"]:
                 for resource, value in container.get("resources", {}).get("requests", {}).items():
-                    requests[resource] = requests.get(resource, 0) + _quantity(value)
+                    requests[resource] = requests.get(resource, Decimal(0)) + parse_quantity(value)
             pods += [requests] * obj["spec"]["replicas"]
     assert any("nvidia.com/gpu" in pod for pod in pods)
-    free = [{r: _quantity(v) for r, v in d["status"]["allocatable"].items()}
+    free = [{r: parse_quantity(v) for r, v in d["status"]["allocatable"].items()}
             for d in yaml.safe_load_all(components.fake_nodes()) if d]
     for pod in sorted(pods * 4, key=lambda p: -p.get("nvidia.com/gpu", 0)):
         node = next((n for n in free if n["pods"] >= 1 and all(n.get(r, 0) >= q for r, q in pod.items())), None)
