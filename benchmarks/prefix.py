@@ -18,7 +18,7 @@ import requests
 from benchmarks.client import TIMEOUT
 from benchmarks.outputs import SERVED, WORDS
 from benchmarks.stack import sidecar, sidecar_config
-from disagg_sidecar.affinity import DEFAULT_LOAD_BOUND_PERCENT, DEFAULT_SHARE_WINDOW
+from disagg_sidecar.config import DEFAULT_LOAD_BOUND_PERCENT, DEFAULT_SHARE_WINDOW
 from disagg_engine.servers import start_all, stop_all
 from disagg_engine.testing.server_set import role_specs
 from tests.harness.forced import NO_THINKING

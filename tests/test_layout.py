@@ -46,7 +46,7 @@ def test_top_level_folders_are_not_packages():
     assert Path(operator.__file__).parent != ROOT / "operator"
 
 
-MAX_MODULE_LINES = 300  # small modules: one fact each (docs/development.md)
+MAX_MODULE_LINES = 500  # a ceiling, not a target: modules are split by concept (docs/development.md)
 MAX_README_LINES = 150  # the README is for users; development notes go in docs/
 
 

@@ -15,7 +15,7 @@ from disagg_sidecar.config import (
     TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Exposition, Limits, Listen, Prefill,
     SidecarConfig, StaticDiscovery, Tier, Timeouts,
 )
-from disagg_sidecar.discovery_config import Discovery
+from disagg_sidecar.config import Discovery
 
 
 # Where decode pods mount the API key Secrets for the sidecar (outside the config's read-only mount).

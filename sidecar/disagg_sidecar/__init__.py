@@ -1,16 +1,23 @@
 """Disagg sidecar: routes OpenAI / GenerateRequest traffic through render -> prefill -> decode -> derender.
 
-Layers (each imports only the ones below it):
-- ``commands`` (``disagg sidecar --config FILE``) > ``app`` (routes, middleware, one ClientSession)
-  > ``handlers`` (thin: read, check, hand over) > ``flows`` (one request through the legs)
-  > ``decoding`` (the decode leg, its refusal rule) / ``poollegs`` (render, derender, prefill)
-  > ``clientstream`` (the client's SSE stream) > ``context`` (per request) / ``failures`` (failed
-  legs as the client sees them) > ``upstream`` (legs on the wire, retries, aborts)
-  > ``endpoints``/``discovery`` (which endpoint);
-- pure decisions and shapes: ``plan`` (output mode, prefill route), ``capabilities`` (what the
-  decode engine may be asked for), ``legs`` (per-leg bodies), ``connectors`` (KV params),
-  ``allowlist`` (x-prefiller-host-port), ``streaming`` (SSE, chained derender with coalescing),
-  ``responses``/``usage``/``derender_fixes`` (coupled response shapes);
-- ``config`` (the file), ``wire`` (names), ``errors``, ``metrics``, ``logs``, ``state``, ``keys``.
+Layers, each importing only those below it (an import-linter contract in pyproject.toml):
+- ``commands`` (``disagg sidecar --config FILE``) > ``app`` (routes, middleware, background
+  probes, one ClientSession);
+- ``edge/``: ``server`` (what aiohttp decides before a handler), ``handlers`` (read, check, hand
+  over), ``auth`` (engine and client keys), ``bodycheck`` (size and JSON shape), ``allowlist``
+  (``x-prefiller-host-port``);
+- ``keys`` (the app's typed keys: its only shared state) > ``state`` (health, drain, budget);
+- ``pipeline/``: ``flows`` (one request through the legs) > ``decoding`` (the decode leg) /
+  ``poollegs`` (render, derender, prefill) > ``clientstream`` (the client's SSE stream) >
+  ``context`` (per request) / ``failures`` (failed legs as the client sees them);
+- ``derender/``: ``chained`` (tokens answers made into the client's), ``sessions`` (derender
+  sessions), ``stream`` (per-chunk chained derender, coalescing), ``shapes`` / ``usage`` /
+  ``fixes`` (the coupled response shapes);
+- ``upstream/``: ``client`` (legs on the wire, retries, aborts), ``endpoints`` / ``affinity``
+  (which endpoint), ``discovery`` / ``endpointslices`` / ``kubeapi`` (where they are), ``tls``,
+  ``enginemetrics`` / ``exposition`` (the decode engine's ``/metrics``);
+- ``plan/`` (pure): ``capabilities``, ``decisions``, ``requestlimits``, ``legs``;
+- the base: ``config`` (the file), ``wire`` (names), ``errors``,
+  ``metrics``, ``logs``, ``budget``, ``sse`` (event framing, compact JSON), ``connectors/``.
 Nothing here imports vLLM or torch.
 """

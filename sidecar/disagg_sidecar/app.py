@@ -14,22 +14,26 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import hdrs, web
 
-from disagg_sidecar import auth, capabilities, handlers, tls, wire
-from disagg_sidecar.affinity import RecentShare
+from disagg_sidecar.edge import auth
+from disagg_sidecar.plan import capabilities
+from disagg_sidecar.edge import handlers
+from disagg_sidecar.upstream import tls
+from disagg_sidecar import wire
+from disagg_sidecar.upstream.affinity import RecentShare
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import get_connector
-from disagg_sidecar.decoding import Decoder
-from disagg_sidecar.discovery import make_source
-from disagg_sidecar.endpoints import EndpointPool
-from disagg_sidecar.enginemetrics import EngineMetrics
+from disagg_sidecar.pipeline.decoding import Decoder
+from disagg_sidecar.upstream.discovery import make_source
+from disagg_sidecar.upstream.endpoints import EndpointPool
+from disagg_sidecar.upstream.enginemetrics import EngineMetrics
 from disagg_sidecar.errors import SidecarError, error_bytes
-from disagg_sidecar.flows import Flows
+from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.poollegs import PoolLegs
+from disagg_sidecar.pipeline.poollegs import PoolLegs
 from disagg_sidecar.state import DecodeAnswers, SidecarState
-from disagg_sidecar.upstream import PROBE_TIMEOUT, Upstream
+from disagg_sidecar.upstream.client import PROBE_TIMEOUT, Upstream
 
 log = logging.getLogger("disagg_sidecar")
 access_log = logging.getLogger("disagg_sidecar.access")

@@ -11,12 +11,13 @@ import sys
 from aiohttp import web
 from pydantic import ValidationError
 
-from disagg_sidecar import auth, tls
+from disagg_sidecar.edge import auth
+from disagg_sidecar.upstream import tls
 from disagg_sidecar.app import build_app
 from disagg_sidecar.config import CUT_SECONDS, SidecarConfig, load_config
 from disagg_sidecar.keys import STATE
 from disagg_sidecar.logs import setup_logging
-from disagg_sidecar.server import SidecarRunner
+from disagg_sidecar.edge.server import SidecarRunner
 
 log = logging.getLogger("disagg_sidecar")
 

@@ -50,30 +50,112 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from disagg_sidecar import wire
-from disagg_sidecar.affinity import DEFAULT_LOAD_BOUND_PERCENT, DEFAULT_SHARE_WINDOW
 from disagg_sidecar.connectors import REGISTRY
-from disagg_sidecar.discovery_config import (  # noqa: F401  (re-exported: the file's sections)
-    SERVICE_ACCOUNT_DIR, Discovery, DNSDiscovery, EndpointSliceDiscovery, KubernetesAPI, StaticDiscovery,
-)
-from disagg_sidecar.discovery_config import Model as _Model
-from disagg_sidecar.discovery_config import check_url as _check_url
 
 # What a stock vLLM generate server (no engine extension) answers on /inference/v1/generate.
 STOCK_OUTPUT_MODES: tuple[wire.OutputMode, ...] = ("tokens", "text")
 CUT_SECONDS = 1.0  # after the drain: what handlers still running get before they are cancelled
+# prefix-affinity: consistent hashing with bounded loads' usual factor (1.25): with 2 endpoints,
+# at most 62.5% each, over the last 64 prefill legs.
+DEFAULT_LOAD_BOUND_PERCENT = 125
+DEFAULT_SHARE_WINDOW = 64
 
 
-class Listen(_Model):
+
+# Where a pod's projected service-account token and CA bundle are mounted (the operator mounts them there).
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class Model(BaseModel):
+    """Base of every configuration model: unknown keys are errors, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
+        raise ValueError(f"{url!r}: expected http(s)://host:port")
+    return url.rstrip("/")
+
+
+class _Kind(Model):
+    """A discovery kind: ``kind`` is always written, also when left at its default (it tells them apart)."""
+
+    @model_serializer(mode="wrap")
+    def _with_kind(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {"kind": getattr(self, "kind"), **handler(self)}
+
+
+class StaticDiscovery(_Kind):
+    kind: Literal["static"] = "static"
+    urls: tuple[str, ...] = Field(min_length=1)
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(check_url(u) for u in v)
+
+
+class DNSDiscovery(_Kind):
+    """A headless Service: every A/AAAA record is one prefill pod."""
+
+    kind: Literal["dns"] = "dns"
+    host: str
+    port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    refresh_seconds: float = Field(5.0, gt=0)
+
+
+class KubernetesAPI(Model):
+    """How the sidecar reaches the API server; the defaults are the pod's own (in-cluster) identity."""
+
+    url: str | None = Field(None, description="https://host:port; None: KUBERNETES_SERVICE_HOST/_PORT.")
+    token_file: str = Field(f"{SERVICE_ACCOUNT_DIR}/token",
+                            description="Bearer token, re-read for every request (projected tokens rotate).")
+    ca_file: str | None = Field(f"{SERVICE_ACCOUNT_DIR}/ca.crt",
+                                description="CA bundle of the API server; None: the system trust store.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return None if v is None else check_url(v)
+
+
+class EndpointSliceDiscovery(_Kind):
+    """What the operator writes: list + watch the EndpointSlices of a (headless) Service.
+
+    Endpoints are the ready endpoints' addresses with the slice port named ``port_name`` (or the
+    slice's only port; with several unnamed-matching ports, the one numbered ``port``).
+    """
+
+    kind: Literal["endpointslices"] = "endpointslices"
+    namespace: str
+    service: str
+    port: int | None = Field(None, ge=1, le=65535, description="Disambiguates when `port_name` is unset.")
+    port_name: str | None = None
+    scheme: Literal["http", "https"] = "http"
+    api: KubernetesAPI = Field(default_factory=KubernetesAPI)
+    watch_seconds: int = Field(300, ge=1, description="Server-side timeout of one watch request; then re-watch.")
+    backoff_seconds: float = Field(0.5, gt=0, description="First retry delay after an error; doubles.")
+    max_backoff_seconds: float = Field(30.0, gt=0)
+
+
+Discovery = StaticDiscovery | DNSDiscovery | EndpointSliceDiscovery
+
+
+class Listen(Model):
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
 
 
-class Capabilities(_Model):
+class Capabilities(Model):
     """What the local decode engine can produce on ``/inference/v1/generate``.
 
     Same keys as the engine extension's ``GET /disagg/v1/capabilities``. The sidecar uses the
@@ -88,7 +170,7 @@ class Capabilities(_Model):
         True, description="The engine runs a reasoning/tool parser: chat text then needs derender, not text.")
 
 
-class Decode(_Model):
+class Decode(Model):
     url: str = Field(description="The vLLM engine in the same pod (serve --enable-scale-out).")
     capabilities: Capabilities | None = Field(
         None, description="Configured capabilities; None: derived from `engine.extension`.")
@@ -97,10 +179,10 @@ class Decode(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        return _check_url(v)
+        return check_url(v)
 
 
-class Tier(_Model):
+class Tier(Model):
     """Render or derender: ``remote`` (a pool, by URL) or ``local`` (the decode engine does it)."""
 
     mode: Literal["remote", "local"] = "remote"
@@ -118,7 +200,7 @@ class Tier(_Model):
     @field_validator("urls")
     @classmethod
     def _urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(_check_url(u) for u in v)
+        return tuple(check_url(u) for u in v)
 
     @model_validator(mode="after")
     def _remote_needs_urls(self) -> Tier:
@@ -127,7 +209,7 @@ class Tier(_Model):
         return self
 
 
-class Prefill(_Model):
+class Prefill(Model):
     mode: Literal["remote", "local"] = "remote"
     discovery: Discovery | None = Field(None, discriminator="kind")
     selection: Literal["round-robin", "random", "least-requests", "prefix-affinity"] = "least-requests"
@@ -152,7 +234,7 @@ class Prefill(_Model):
         return self
 
 
-class Timeouts(_Model):
+class Timeouts(Model):
     connect_seconds: float = Field(5, gt=0)
     render_seconds: float = Field(30, gt=0)
     prefill_seconds: float = Field(120, gt=0)
@@ -160,7 +242,7 @@ class Timeouts(_Model):
     derender_seconds: float | None = Field(None, gt=0, description="None: `render_seconds`.")
 
 
-class Limits(_Model):
+class Limits(Model):
     max_concurrent_requests: int = Field(512, ge=1, description="More in flight: 503 with Retry-After.")
     # A terminating pod leaves its Services' endpoints (and kube-proxy's rules) asynchronously: a closed
     # listener would refuse the connections that keep arriving for a moment after SIGTERM.
@@ -189,7 +271,7 @@ class Limits(_Model):
         return self.deregister_seconds + self.drain_seconds + CUT_SECONDS
 
 
-class Auth(_Model):
+class Auth(Model):
     """API keys, each read from a file (a mounted Secret) once at start; docs/security.md."""
 
     engine_api_key_file: str | None = Field(
@@ -198,14 +280,14 @@ class Auth(_Model):
         None, description="Clients must send this key as `Authorization: Bearer`; /health* and /metrics stay open.")
 
 
-class Exposition(_Model):  # what /metrics serves
+class Exposition(Model):  # what /metrics serves
     include_engine: bool = Field(False, description="Append the decode engine's families that the sidecar does not "
                                  "export itself (docs/llm-d.md); the operator sets it with an InferencePool.")
     engine_timeout_seconds: float = Field(1.0, gt=0, le=30, description="Slower or failed: the sidecar's own only.")
     engine_max_age_seconds: float = Field(0.2, ge=0, le=10, description="Reuse the engine's families this long.")
 
 
-class TLS(_Model):
+class TLS(Model):
     """HTTPS to the engines (their URLs say https://), verified with ``ca_file``."""
 
     ca_file: str = Field(description="The CA bundle engine certificates are verified with.")
@@ -227,7 +309,7 @@ class EngineFeatures(BaseModel):
         False, description="Batch /derender reports coupled's finish_reason (0.33); else the sidecar derives it.")
 
 
-class Engine(_Model):
+class Engine(Model):
     vllm_version: str | None = None
     extension: bool = Field(False, description="The decode engine runs Disagg's engine extension.")
     prefill_tokens_only: bool = True
@@ -240,7 +322,7 @@ class Engine(_Model):
     features: EngineFeatures = Field(default_factory=EngineFeatures)
 
 
-class SidecarConfig(_Model):
+class SidecarConfig(Model):
     version: Literal[1] = 1
     served_model_name: str | None = None
     listen: Listen = Field(default_factory=Listen)

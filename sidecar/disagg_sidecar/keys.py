@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from disagg_sidecar.enginemetrics import EngineMetrics
-from disagg_sidecar.flows import Flows
+from disagg_sidecar.upstream.enginemetrics import EngineMetrics
+from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.state import SidecarState
-from disagg_sidecar.upstream import Upstream
+from disagg_sidecar.upstream.client import Upstream
 
 STATE = web.AppKey("state", SidecarState)
 METRICS = web.AppKey("metrics", Metrics)

@@ -38,7 +38,7 @@ class Metrics:
             f"{ns}_engine_metrics_missing", "Scrapes of /metrics served without the decode engine's families "
             "(metrics.include_engine), by reason.", ["reason"], registry=r)
         # The sidecar's own process, as in prometheus_client's default registry: with include_engine these
-        # names are the sidecar's, not the engine's (disagg_sidecar.exposition).
+        # names are the sidecar's, not the engine's (disagg_sidecar.upstream.exposition).
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)

@@ -15,7 +15,7 @@ from typing import Any
 
 from disagg_sidecar.budget import MemoryBudget
 from disagg_sidecar.config import Capabilities, SidecarConfig
-from disagg_sidecar import capabilities
+from disagg_sidecar.plan import capabilities
 
 UNHEALTHY_AFTER = 2  # consecutive failed probes
 

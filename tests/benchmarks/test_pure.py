@@ -12,7 +12,7 @@ from benchmarks.prefix import share_cap
 from benchmarks.profile import collapsed_top
 from benchmarks.soak import Footprint
 from benchmarks.stats import paired_ratios, quantile, summary
-from disagg_sidecar.endpoints import EndpointPool
+from disagg_sidecar.upstream.endpoints import EndpointPool
 
 
 def test_quantiles_interpolate_and_summary_keeps_the_spread() -> None:

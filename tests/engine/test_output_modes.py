@@ -4,7 +4,7 @@
 
 vLLM's own derender endpoints changed between the lanes, and these tests pin what each does: 0.32's
 decodes the engine's final stop token and reports chat finish reasons its own way (the sidecar's
-``derender_fixes`` mend both), ignores stop strings (the text runs past them); 0.33's equals the
+``derender.fixes`` mend both), ignores stop strings (the text runs past them); 0.33's equals the
 coupled endpoint for the raw generate answer, cuts at stop strings in batch and refuses them when
 streaming."""
 
@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from tests.harness.forced import NO_THINKING, OUTPUTS, TOOLS
-from disagg_sidecar.derender_fixes import generate_for_derender, normalise_chat_response
+from disagg_sidecar.derender.fixes import generate_for_derender, normalise_chat_response
 from tests.harness.openai_views import (
     chat_stream_view,
     chat_view,
@@ -67,7 +67,7 @@ def _events(resp: requests.Response) -> list:
 
 
 def _legacy_derender(lane_set) -> bool:
-    """Whether the lane's derender needs the sidecar's ``derender_fixes`` (vLLM 0.32)."""
+    """Whether the lane's derender needs the sidecar's ``derender.fixes`` (vLLM 0.32)."""
     return lane_set.vllm_lane == "0.32"
 
 

@@ -96,7 +96,7 @@ def test_idle_session_ends_with_an_error():
 
 
 def test_session_lines_are_chunks_or_the_sidecars_rows():
-    from disagg_sidecar.sessions import session_row
+    from disagg_sidecar.derender.sessions import session_row
 
     chunk = {"request_id": "x", "choices": [{"index": 1, "token_ids": [5], "finish_reason": "stop", "stop_reason": 7,
                                              "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}]}}]}

@@ -13,8 +13,9 @@ from typing import Any
 
 import requests
 
-from disagg_sidecar import legs, wire
-from disagg_sidecar.derender_fixes import generate_for_derender, normalise_chat_response
+from disagg_sidecar.plan import legs
+from disagg_sidecar import wire
+from disagg_sidecar.derender.fixes import generate_for_derender, normalise_chat_response
 from disagg_sidecar.connectors import get_connector
 from tests.harness.openai_views import sse_events
 

@@ -13,7 +13,7 @@ from disagg_operator import engine_args
 from disagg_operator.plan import Role, build_plan
 from disagg_sidecar.config import SidecarConfig, dump_config
 from disagg_sidecar.connectors import REGISTRY, get_connector
-from disagg_sidecar.plan import prefill_route
+from disagg_sidecar.plan.decisions import prefill_route
 from disagg_sidecar.state import DecodeAnswers, SidecarState
 from tests.operator.builders import full_spec, merged, plan_of
 

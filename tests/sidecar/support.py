@@ -31,7 +31,7 @@ from disagg_engine.servers import free_port
 from disagg_operator.engine_args import engine_max_logprobs, vllm_features
 from disagg_sidecar.app import build_app
 from disagg_sidecar.config import SidecarConfig
-from disagg_sidecar.server import SidecarRunner
+from disagg_sidecar.edge.server import SidecarRunner
 
 SERVED = "tiny-qwen3"
 

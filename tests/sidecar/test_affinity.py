@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from disagg_sidecar.affinity import PrefixIndex, RecentShare, block_chain, rendezvous
-from disagg_sidecar.endpoints import EndpointPool
+from disagg_sidecar.upstream.affinity import PrefixIndex, RecentShare, block_chain, rendezvous
+from disagg_sidecar.upstream.endpoints import EndpointPool
 
 URLS = ("http://a:1", "http://b:1", "http://c:1")
 rng = random.Random(7)

@@ -11,8 +11,8 @@ from contextlib import ExitStack
 
 import pytest
 
-from disagg_sidecar.affinity import RecentShare
-from disagg_sidecar.endpoints import EndpointPool
+from disagg_sidecar.upstream.affinity import RecentShare
+from disagg_sidecar.upstream.endpoints import EndpointPool
 
 URLS = ("http://a:1", "http://b:1", "http://c:1", "http://d:1")
 GENERATION_PROMPT = [7, 7, 7, 7, 7]  # what a chat template appends after the history, never part of it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg_sidecar.allowlist import HostPort, parse_host_port, select_prefill
+from disagg_sidecar.edge.allowlist import HostPort, parse_host_port, select_prefill
 from disagg_sidecar.errors import SidecarError
 
 ENDPOINTS = ("http://10.0.0.5:8200", "http://prefill-1.ns.svc:8200", "http://[fd00::7]:8200")

@@ -27,9 +27,9 @@ from tests.sidecar.support import (
     wait_for,
 )
 from disagg_engine.servers import free_port
-from disagg_sidecar import streaming
+from disagg_sidecar import sse
 from disagg_sidecar.keys import STATE
-from disagg_sidecar.legs import engine_request_id
+from disagg_sidecar.plan.legs import engine_request_id
 
 pytestmark = pytest.mark.engine
 GENERATE = "/inference/v1/generate"
@@ -406,7 +406,7 @@ def test_done_is_never_sent_to_derender(engine_set, forcer) -> None:
             got = list(sse_events(resp.iter_lines()))
     assert got[-1] == "[DONE]" and chat_stream_view(got) == want
     (decode_leg,) = [c for c in decode.calls if c.path == GENERATE]
-    events, done = streaming.split_events(streaming.SSEParser().feed(bytes(decode_leg.response)))
+    events, done = sse.split_events(sse.SSEParser().feed(bytes(decode_leg.response)))
     assert done, "the decode stream ended with [DONE]"
     calls = derender.bodies("/v1/chat/completions/derender")
     assert all(isinstance(c, dict) and c["stream"] is True and isinstance(c["generate_chunk"], dict)

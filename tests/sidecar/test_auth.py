@@ -26,7 +26,7 @@ from tests.sidecar.support import SERVED, fake_config, fake_engine, run_sidecar,
 from disagg_engine.servers import ManagedServer, start, stop_all
 from disagg_engine.testing.server_set import role_specs
 from disagg_engine.testing.tiny_model import ensure_model
-from disagg_sidecar import auth
+from disagg_sidecar.edge import auth
 from disagg_sidecar.config import SidecarConfig
 
 ENGINE_KEY = "engine-key-for-tests"

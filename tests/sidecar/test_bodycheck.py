@@ -7,12 +7,13 @@ import tracemalloc
 
 import pytest
 
-from disagg_sidecar import bodycheck, requestlimits
+from disagg_sidecar.edge import bodycheck
+from disagg_sidecar.plan import requestlimits
 from disagg_sidecar.budget import MemoryBudget, Reservation
 from disagg_sidecar.config import Limits
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.failures import leg_failure, streamed_error
-from disagg_sidecar.upstream import LegError
+from disagg_sidecar.pipeline.failures import leg_failure, streamed_error
+from disagg_sidecar.upstream.client import LegError
 
 
 def _refused(raw: bytes, depth: int = 64) -> SidecarError:

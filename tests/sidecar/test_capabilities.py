@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg_sidecar import capabilities
+from disagg_sidecar.plan import capabilities
 from disagg_sidecar.config import Capabilities, SidecarConfig
 
 ALL = ("tokens", "text", "derender")

@@ -8,7 +8,11 @@ from typing import Any
 
 import pytest
 
-from disagg_sidecar import chained, derender_fixes, legs, responses, wire
+from disagg_sidecar.derender import chained
+from disagg_sidecar.derender import fixes
+from disagg_sidecar.plan import legs
+from disagg_sidecar.derender import shapes
+from disagg_sidecar import wire
 
 PROMPT = [1, 2, 3]
 
@@ -46,9 +50,9 @@ def test_only_a_stop_string_cuts_text() -> None:
 
 def test_trim_top_logprobs_keeps_the_first_k() -> None:
     entry = {"token": "a", "logprob": -1.0, "top_logprobs": [{"token": "a"}, {"token": "b"}]}
-    assert derender_fixes.trim_top_logprobs({"content": [entry]}, 0)["content"][0]["top_logprobs"] == []
-    assert derender_fixes.trim_top_logprobs({"content": [entry]}, 1)["content"][0]["top_logprobs"] == [{"token": "a"}]
-    assert derender_fixes.trim_top_logprobs(None, 3) is None
+    assert fixes.trim_top_logprobs({"content": [entry]}, 0)["content"][0]["top_logprobs"] == []
+    assert fixes.trim_top_logprobs({"content": [entry]}, 1)["content"][0]["top_logprobs"] == [{"token": "a"}]
+    assert fixes.trim_top_logprobs(None, 3) is None
 
 
 def test_stream_finish_reason_only_turns_stop_into_tool_calls() -> None:
@@ -110,7 +114,7 @@ async def test_chat_batch_derenders_the_text_the_engine_kept() -> None:
     out = {"request_id": "g", "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}, "choices": [
         {"index": 0, "token_ids": [1, 2, 3, 4, 5], "finish_reason": "stop", "stop_reason": "cd", "logprobs": None},
         {"index": 1, "token_ids": [1, 2, 9], "finish_reason": "length", "stop_reason": None, "logprobs": None}]}
-    shape = responses.Shape(id="chatcmpl-r", created=1, model="m", prompt_tokens=3, return_token_ids=True)
+    shape = shapes.Shape(id="chatcmpl-r", created=1, model="m", prompt_tokens=3, return_token_ids=True)
     leg = legs.DerenderLeg("chat", b"{}", PROMPT)
     result = await chained.chat_batch(out, leg, opts(sampling={"stop": ["cd"]}, body={"return_token_ids": True}),
                                       shape, tier)
@@ -125,7 +129,7 @@ async def test_chat_batch_without_stop_strings_is_one_call() -> None:
     tier = Tier()
     out = {"request_id": "g", "choices": [{"index": 0, "token_ids": [1, 2], "finish_reason": "stop",
                                            "stop_reason": None, "logprobs": None}]}
-    shape = responses.Shape(id="chatcmpl-r", created=1, model="m", prompt_tokens=3)
+    shape = shapes.Shape(id="chatcmpl-r", created=1, model="m", prompt_tokens=3)
     await chained.chat_batch(out, legs.DerenderLeg("chat", b"{}", PROMPT), opts(), shape, tier)
     assert [c[3] for c in tier.calls] == ["batch"]
     assert tier.calls[0][2]["generate_response"]["choices"][0]["token_ids"] == [1], "EOS is not decoded"
@@ -185,7 +189,7 @@ async def test_nothing_kept_is_derendered_from_one_byte_that_decodes_to_nothing(
     tier = Tier()
     out = {"request_id": "g", "choices": [
         {"index": 0, "token_ids": [3, 4], "finish_reason": "stop", "stop_reason": "c", "logprobs": None}]}
-    shape = responses.Shape(id="chatcmpl-r", created=1, model="m", prompt_tokens=3)
+    shape = shapes.Shape(id="chatcmpl-r", created=1, model="m", prompt_tokens=3)
     await chained.chat_batch(out, legs.DerenderLeg("chat", b"{}", PROMPT), opts(sampling={"stop": ["c"]}), shape, tier)
     assert tier.calls[1][2]["prompt"] == [chained.EMPTY_PROBE]
     probe_ids = [ord(ch) - 96 for ch in chained.EMPTY_PROBE]
@@ -203,15 +207,15 @@ def _gen_with_candidates(ranks: list[int | None], candidates: int) -> dict:
 def test_completion_candidates_are_the_sampled_token_and_the_top_k() -> None:
     # k = 2: a sampled token ranked 7 (or unranked) shows with the top 2; one ranked 1 or 2 is among them.
     gen = _gen_with_candidates([7, 1, 2, 3, None], candidates=4)
-    cut = derender_fixes.completion_candidates(gen, 2)
+    cut = fixes.completion_candidates(gen, 2)
     assert [len(e["top_logprobs"]) for e in cut["choices"][0]["logprobs"]["content"]] == [3, 2, 2, 3, 3]
-    assert derender_fixes.completion_candidates(gen, None) == gen
-    assert [len(e["top_logprobs"]) for e in derender_fixes.completion_candidates(gen, 0)["choices"][0]["logprobs"]["content"]] == [1] * 5
+    assert fixes.completion_candidates(gen, None) == gen
+    assert [len(e["top_logprobs"]) for e in fixes.completion_candidates(gen, 0)["choices"][0]["logprobs"]["content"]] == [1] * 5
 
 
 def test_completions_ask_the_engine_for_one_candidate_more_while_the_engines_allow_it() -> None:
     gen = {"token_ids": [1], "sampling_params": {"logprobs": 2, "max_tokens": 5}}
-    headroom = derender_fixes.with_candidate_headroom
+    headroom = fixes.with_candidate_headroom
     assert headroom(gen, 21)["sampling_params"] == {"logprobs": 3, "max_tokens": 5}
     twenty = {**gen, "sampling_params": {"logprobs": 20}}
     assert headroom(twenty, 21)["sampling_params"]["logprobs"] == 21

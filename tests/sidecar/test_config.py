@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from disagg_sidecar import capabilities
+from disagg_sidecar.plan import capabilities
 from disagg_sidecar.commands import sidecar_main
 from disagg_sidecar.config import (
     Decode, DNSDiscovery, EndpointSliceDiscovery, Prefill, SidecarConfig, StaticDiscovery, dump_config, load_config,

@@ -19,7 +19,7 @@ import yaml
 
 from disagg_operator.objects.rbac import SIDECAR_RULES
 from disagg_sidecar.config import EndpointSliceDiscovery, KubernetesAPI
-from disagg_sidecar.discovery import EndpointSliceSource
+from disagg_sidecar.upstream.discovery import EndpointSliceSource
 from tests.harness.cluster import Cluster
 
 pytestmark = pytest.mark.cluster
@@ -126,7 +126,7 @@ async def test_endpointslice_watch_follows_the_service(cluster: Cluster, ns: str
 
 async def test_missing_permission_is_logged_and_recovers_once_granted(
         cluster: Cluster, ns: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR, logger="disagg_sidecar.discovery")
+    caplog.set_level(logging.ERROR, logger="disagg_sidecar.upstream.discovery")
     apply(cluster, ns, *account("nobody", [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}]),
           service(), endpoint_slice("prefill-a", [ep("10.0.0.1")]))
     discovery = source(ns, api_access(cluster, ns, "nobody", tmp_path))

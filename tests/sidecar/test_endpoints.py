@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from disagg_sidecar.config import DNSDiscovery, EndpointSliceDiscovery, KubernetesAPI, StaticDiscovery
-from disagg_sidecar.discovery import DNSSource, EndpointSliceSource, StaticSource, make_source
-from disagg_sidecar.endpoints import FAILURE_COOLDOWN_SECONDS, EndpointPool
+from disagg_sidecar.upstream.discovery import DNSSource, EndpointSliceSource, StaticSource, make_source
+from disagg_sidecar.upstream.endpoints import FAILURE_COOLDOWN_SECONDS, EndpointPool
 
 URLS = ("http://a:1", "http://b:1", "http://c:1")
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from disagg_sidecar import endpointslices as es
+from disagg_sidecar.upstream import endpointslices as es
 from disagg_sidecar.config import EndpointSliceDiscovery, KubernetesAPI
-from disagg_sidecar.discovery import EndpointSliceSource
-from disagg_sidecar.kubeapi import resolve_access
+from disagg_sidecar.upstream.discovery import EndpointSliceSource
+from disagg_sidecar.upstream.kubeapi import resolve_access
 
 
 def ep(address: str, ready: bool | None = True, *more: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import requests
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg_sidecar.exposition import engine_part, merge
+from disagg_sidecar.upstream.exposition import engine_part, merge
 from disagg_sidecar.metrics import Metrics
 from tests.sidecar.support import fake_config, fake_engine, free_port, run_sidecar
 

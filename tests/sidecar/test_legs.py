@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from disagg_sidecar import legs
+from disagg_sidecar.plan import legs
 from disagg_sidecar.connectors import ExampleConnector, NixlConnector, get_connector
 
 NIXL_PREFILL = NixlConnector().prefill_params()

@@ -7,7 +7,7 @@ import pytest
 
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.plan import (
+from disagg_sidecar.plan.decisions import (
     DecodePlan,
     answered_mode,
     check_generate_request,

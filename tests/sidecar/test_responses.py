@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from disagg_sidecar import responses
-from disagg_sidecar.derender_fixes import chat_finish_reason, generate_for_derender, tool_call_id
-from disagg_sidecar.usage import add_usage, cached_tokens, fix_usage, total_usage
+from disagg_sidecar.derender import shapes
+from disagg_sidecar.derender.fixes import chat_finish_reason, generate_for_derender, tool_call_id
+from disagg_sidecar.derender.usage import add_usage, cached_tokens, fix_usage, total_usage
 
-SHAPE = responses.Shape(id="chatcmpl-r1", created=123, model="m", prompt_tokens=10)
+SHAPE = shapes.Shape(id="chatcmpl-r1", created=123, model="m", prompt_tokens=10)
 NIXL_KV = {"remote_engine_id": "e", "remote_prefill_cached_tokens": 8}
 
 
@@ -77,7 +77,7 @@ def test_chat_from_derender_normalises_and_uses_the_engine_usage() -> None:
         "usage": {"prompt_tokens": 10, "completion_tokens": 31, "total_tokens": 41}}
     generate = {"choices": [{"index": 0, "token_ids": [1] * 32}],
                 "usage": {"prompt_tokens": 10, "completion_tokens": 32, "total_tokens": 42}}
-    out = responses.chat_from_derender(derendered, SHAPE, generate)
+    out = shapes.chat_from_derender(derendered, SHAPE, generate)
     assert out["id"] == "chatcmpl-r1" and out["object"] == "chat.completion" and out["created"] == 123
     choice = out["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["id"].startswith("chatcmpl-tool-")
@@ -90,14 +90,14 @@ def test_chat_from_inline_generate() -> None:
            "kv_transfer_params": {"secret": 1},
            "choices": [{"index": 1, "finish_reason": "stop", "stop_reason": None, "token_ids": [5, 6],
                         "message": {"role": "assistant", "content": "hi"}, "logprobs": None}]}
-    out = responses.chat_from_generate(gen, SHAPE, [1, 2, 3])
+    out = shapes.chat_from_generate(gen, SHAPE, [1, 2, 3])
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert out["choices"][0]["token_ids"] is None and out["prompt_token_ids"] is None
     assert out["kv_transfer_params"] is None, "engine KV handles are not the client's business"
-    with_ids = responses.Shape(**{**SHAPE.__dict__, "return_token_ids": True})
-    out = responses.chat_from_generate(gen, with_ids, [1, 2, 3])
+    with_ids = shapes.Shape(**{**SHAPE.__dict__, "return_token_ids": True})
+    out = shapes.chat_from_generate(gen, with_ids, [1, 2, 3])
     assert out["choices"][0]["token_ids"] == [5, 6] and out["prompt_token_ids"] == [1, 2, 3]
-    text = responses.chat_from_generate({"choices": [{"index": 0, "text": "plain", "finish_reason": "length"}]},
+    text = shapes.chat_from_generate({"choices": [{"index": 0, "text": "plain", "finish_reason": "length"}]},
                                         SHAPE, [1])
     assert text["choices"][0]["message"]["content"] == "plain" and text["choices"][0]["message"]["tool_calls"] == []
 
@@ -107,31 +107,31 @@ def test_chat_chunks() -> None:
     derender_chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None, "reasoning": None},
                                    "finish_reason": None, "logprobs": None, "token_ids": None}],
                       "usage": None, "prompt_token_ids": None}
-    out = responses.chat_chunk(derender_chunk, SHAPE, first=first)
+    out = shapes.chat_chunk(derender_chunk, SHAPE, first=first)
     assert out == {"id": "chatcmpl-r1", "object": "chat.completion.chunk", "created": 123, "model": "m",
                    "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]}
     # Inline derender sends chunks that only carry token ids; coupled has none of them.
     token_only = {"choices": [{"index": 0, "delta": {}, "token_ids": [7], "finish_reason": None, "logprobs": None}],
                   "prompt_token_ids": [1, 2]}
-    assert responses.chat_chunk(token_only, SHAPE, first=first) is None
+    assert shapes.chat_chunk(token_only, SHAPE, first=first) is None
     finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls", "stop_reason": None}]}
-    assert responses.chat_chunk(finish, SHAPE, first=first)["choices"][0]["finish_reason"] == "tool_calls"
+    assert shapes.chat_chunk(finish, SHAPE, first=first)["choices"][0]["finish_reason"] == "tool_calls"
     call = {"choices": [{"index": 0, "delta": {"tool_calls": [{"id": "abcdef0123456789", "index": 0,
                                                                "function": {"name": "f", "arguments": None}}]}}]}
-    delta = responses.chat_chunk(call, SHAPE, first=first)["choices"][0]["delta"]
+    delta = shapes.chat_chunk(call, SHAPE, first=first)["choices"][0]["delta"]
     assert delta == {"tool_calls": [{"id": "chatcmpl-tool-abcdef0123456789", "index": 0, "function": {"name": "f"}}]}
     # Text mode: the role goes on each choice's first chunk.
-    text = [responses.chat_chunk({"choices": [{"index": i, "text": t, "finish_reason": None}]}, SHAPE, first=set())
+    text = [shapes.chat_chunk({"choices": [{"index": i, "text": t, "finish_reason": None}]}, SHAPE, first=set())
             for i, t in ((0, "a"), (1, "b"))]
     assert [c["choices"][0]["delta"] for c in text] == [{"role": "assistant", "content": "a"},
                                                         {"role": "assistant", "content": "b"}]
 
 
 def test_completion_shapes_reindex_prompts() -> None:
-    shape = responses.Shape(id="cmpl-r1", created=1, model="m", prompt_tokens=4, index_offset=2)
-    chunk = responses.completion_chunk({"choices": [{"index": 1, "text": "x", "finish_reason": None}]}, shape)
+    shape = shapes.Shape(id="cmpl-r1", created=1, model="m", prompt_tokens=4, index_offset=2)
+    chunk = shapes.completion_chunk({"choices": [{"index": 1, "text": "x", "finish_reason": None}]}, shape)
     assert chunk["choices"][0]["index"] == 3 and chunk["object"] == "text_completion"
-    assert responses.completion_chunk({"choices": [], "usage": {}}, shape) is None
-    choices = responses.completion_choices({"choices": [{"index": 0, "text": "t", "finish_reason": "stop"}]},
+    assert shapes.completion_chunk({"choices": [], "usage": {}}, shape) is None
+    choices = shapes.completion_choices({"choices": [{"index": 0, "text": "t", "finish_reason": "stop"}]},
                                            shape, [1, 2])
     assert choices[0]["index"] == 2 and choices[0]["prompt_token_ids"] is None

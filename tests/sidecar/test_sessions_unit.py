@@ -1,11 +1,13 @@
-"""The sidecar's session client (disagg_sidecar/sessions.py): its pure pieces, no servers."""
+"""The sidecar's session client (disagg_sidecar/derender/sessions.py): its pure pieces, no servers."""
 
 from __future__ import annotations
 
 import json
 
-from disagg_sidecar import chained, legs, streaming
-from disagg_sidecar.sessions import open_line, session_path, session_row, without_role
+from disagg_sidecar.derender import chained
+from disagg_sidecar.plan import legs
+from disagg_sidecar.derender import stream
+from disagg_sidecar.derender.sessions import open_line, session_path, session_row, without_role
 
 
 def test_session_path_only_from_a_render_that_offers_it():
@@ -71,12 +73,12 @@ def test_a_chunk_of_several_tokens_becomes_one_line_per_token_and_merges_back():
     entries = [{"token_id": t, "logprob": -0.1 * t, "top_logprobs": []} for t in (5, 6, 7)]
     chunk = {"request_id": "r", "prompt_token_ids": [1, 2], "choices": [
         {"index": 1, "token_ids": [5, 6, 7], "finish_reason": "stop", "stop_reason": 9, "logprobs": {"content": entries}}]}
-    pieces = streaming.per_token(chunk)
+    pieces = stream.per_token(chunk)
     assert [session_row(p) for p in pieces] == [
         [1, [5], None, None, {"content": [entries[0]]}], [1, [6], None, None, {"content": [entries[1]]}],
         [1, [7], "stop", 9, {"content": [entries[2]]}]]
-    assert streaming.merge_chunks(pieces) == chunk
+    assert stream.merge_chunks(pieces) == chunk
     one = {"choices": [{"index": 0, "token_ids": [5], "finish_reason": None}]}
-    assert streaming.per_token(one) == [one]
+    assert stream.per_token(one) == [one]
     plain = {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length"}]}
-    assert [session_row(p) for p in streaming.per_token(plain)] == [[0, [5]], [0, [6], "length"]]
+    assert [session_row(p) for p in stream.per_token(plain)] == [[0, [5]], [0, [6], "length"]]

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from disagg_sidecar import wire
-from disagg_sidecar.handlers import MAX_DRAINED_WAITERS, SIGTERM_ALLOWANCE_SECONDS
+from disagg_sidecar.edge.handlers import MAX_DRAINED_WAITERS, SIGTERM_ALLOWANCE_SECONDS
 
 from tests.sidecar.support import SERVED, FakeEngine, fake_config, fake_engine, sidecar_process, wait_for
 

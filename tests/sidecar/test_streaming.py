@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from disagg_sidecar.streaming import ChainedDerender, SSEParser, choice_index, merge_chunks, sse_json
+from disagg_sidecar.sse import SSEParser, sse_json
+from disagg_sidecar.derender.stream import ChainedDerender, choice_index, merge_chunks
 
 
 def test_sse_parser_handles_arbitrary_splits() -> None:

@@ -11,7 +11,7 @@ from disagg_operator.plan import Plan
 from disagg_operator.pool_plan import MODEL_MOUNT_ROOT, PoolPlan
 from disagg_operator.sidecar_config import CLIENT_KEY_DIR, ENGINE_KEY_DIR
 from disagg_sidecar import wire
-from disagg_sidecar.discovery_config import SERVICE_ACCOUNT_DIR
+from disagg_sidecar.config import SERVICE_ACCOUNT_DIR
 
 SIDECAR_CONFIG_DIR = "/etc/disagg"
 SIDECAR_CONFIG_FILE = "sidecar.yaml"

@@ -7,7 +7,7 @@ up as ``chat.completion``/``chat.completion.chunk``/``text_completion`` with the
 server would have used (``chatcmpl-<X-Request-Id>``, ``cmpl-...``), one ``created`` per request,
 ``usage`` from ``usage.fix_usage`` and these normalisations:
 - vLLM 0.32's derender quirks (stop token decoded as text, ``finish_reason``, tool-call ids) are
-  fixed with ``derender_fixes``;
+  fixed with ``fixes``;
 - fields only a generate client asked for (``token_ids``, ``prompt_token_ids``) are dropped unless
   the client set ``return_token_ids``, and stream deltas carry no null keys, as coupled ones.
 Pure functions over dicts.
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_sidecar.derender_fixes import chat_finish_reason, tool_call_id
-from disagg_sidecar.usage import fix_usage
+from disagg_sidecar.derender.fixes import chat_finish_reason, tool_call_id
+from disagg_sidecar.derender.usage import fix_usage
 
 
 @dataclass(frozen=True)

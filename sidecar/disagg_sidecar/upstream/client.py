@@ -22,7 +22,7 @@ import aiohttp
 
 from disagg_sidecar import wire
 from disagg_sidecar.config import SidecarConfig
-from disagg_sidecar.endpoints import EndpointPool
+from disagg_sidecar.upstream.endpoints import EndpointPool
 from disagg_sidecar.metrics import Metrics
 
 log = logging.getLogger(__name__)

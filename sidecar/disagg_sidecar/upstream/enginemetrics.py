@@ -15,10 +15,11 @@ import time
 
 import aiohttp
 
-from disagg_sidecar import exposition, wire
+from disagg_sidecar.upstream import exposition
+from disagg_sidecar import wire
 from disagg_sidecar.config import Exposition
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream import Upstream
+from disagg_sidecar.upstream.client import Upstream
 
 log = logging.getLogger(__name__)
 

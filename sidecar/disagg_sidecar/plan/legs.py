@@ -15,8 +15,8 @@ from typing import Any
 
 from disagg_sidecar import wire
 from disagg_sidecar.connectors import KVConnector
-from disagg_sidecar.plan import answered_mode
-from disagg_sidecar.streaming import dumps
+from disagg_sidecar.plan.decisions import answered_mode
+from disagg_sidecar.sse import dumps
 
 # Fields a prefill leg must not carry: it returns one token nobody reads.
 _PREFILL_DROP = (wire.CHAT_REQUEST, wire.PARSE_CONTEXT, "stream_options", "return_token_ids")

@@ -18,10 +18,10 @@ from typing import Protocol
 
 import aiohttp
 
-from disagg_sidecar import endpointslices as es
-from disagg_sidecar import kubeapi
+from disagg_sidecar.upstream import endpointslices as es
+from disagg_sidecar.upstream import kubeapi
 from disagg_sidecar.config import DNSDiscovery, Discovery, EndpointSliceDiscovery, StaticDiscovery
-from disagg_sidecar.endpointslices import endpoint_url as _url
+from disagg_sidecar.upstream.endpointslices import endpoint_url as _url
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
 
-from disagg_sidecar.affinity import PrefixIndex, RecentShare, block_chain
+from disagg_sidecar.upstream.affinity import PrefixIndex, RecentShare, block_chain
 
 Selection = Literal["round-robin", "random", "least-requests", "prefix-affinity"]
 FAILURE_COOLDOWN_SECONDS = 5.0

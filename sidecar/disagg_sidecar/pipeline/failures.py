@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.upstream import LegError
+from disagg_sidecar.upstream.client import LegError
 
 log = logging.getLogger(__name__)
 

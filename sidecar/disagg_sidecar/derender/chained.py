@@ -28,8 +28,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from disagg_sidecar import legs, responses, streaming, wire
-from disagg_sidecar.derender_fixes import completion_candidates, generate_for_derender, trim_top_logprobs
+from disagg_sidecar.plan import legs
+from disagg_sidecar.derender import shapes
+from disagg_sidecar import sse
+from disagg_sidecar import wire
+from disagg_sidecar.derender.fixes import completion_candidates, generate_for_derender, trim_top_logprobs
 
 # (tier, path, body, metrics kind) -> the tier's JSON answer; raises the sidecar's errors.
 TierCall = Callable[[str, str, bytes, str], Awaitable[Any]]
@@ -102,13 +105,13 @@ def text_body(choices: list[Mapping[str, Any]], opts: Options) -> bytes:
     gen = {"request_id": "stop-cut", "choices": [
         {"index": i, "token_ids": c.get("token_ids") or [], "finish_reason": "length", "stop_reason": None}
         for i, c in enumerate(choices)]}
-    return streaming.dumps({**({"model": opts.model} if opts.model else {}), "generate_responses": [gen],
+    return sse.dumps({**({"model": opts.model} if opts.model else {}), "generate_responses": [gen],
                             "prompt_token_ids": [opts.prompt_token_ids], "completion_request": request})
 
 
 def tokenize_body(texts: list[str], opts: Options) -> bytes:
     """``/v1/completions/render`` used as vLLM's tokenizer (no special tokens added)."""
-    return streaming.dumps({**({"model": opts.model} if opts.model else {}), "prompt": texts,
+    return sse.dumps({**({"model": opts.model} if opts.model else {}), "prompt": texts,
                             "add_special_tokens": False, "max_tokens": 1})
 
 
@@ -128,7 +131,7 @@ def logprob_body(entries: list[Mapping[str, Any]], context_ids: list[int]) -> by
     ctx = [{"token_id": t, "logprob": 0.0, "top_logprobs": []} for t in context_ids]
     choice = {"index": 0, "token_ids": [*context_ids, *(e["token_id"] for e in entries)],
               "logprobs": {"content": [*ctx, *entries]}, "finish_reason": "length"}
-    return streaming.dumps({"request_id": "logprobs", "choices": [choice]})
+    return sse.dumps({"request_id": "logprobs", "choices": [choice]})
 
 
 def stream_finish_reason(derendered: str | None, generated: str | None) -> str | None:
@@ -165,7 +168,7 @@ async def cut_token_ids(choices: list[Mapping[str, Any]], opts: Options, tier: T
     return [i[:1] if t == EMPTY_PROBE and not k else i for i, t, k in zip(out, texts, kept)]
 
 
-async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Options, shape: responses.Shape,
+async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Options, shape: shapes.Shape,
                      tier: TierCall) -> dict[str, Any]:
     """The client's answer for a batch ``tokens`` answer of the decode engine."""
     ready = chat_ready(out, opts)
@@ -174,8 +177,8 @@ async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Option
         ids = dict(zip((c.get("index", 0) for c in cut), await cut_token_ids(cut, opts, tier, batch=True)))
         ready["choices"] = [{**c, "token_ids": ids[c.get("index", 0)]} if c.get("index", 0) in ids else c
                             for c in ready["choices"]]
-    resp = await tier("derender", leg.path, leg.batch(streaming.dumps(ready)), "batch")
-    result = responses.chat_from_derender(resp, shape, out)
+    resp = await tier("derender", leg.path, leg.batch(sse.dumps(ready)), "batch")
+    result = shapes.chat_from_derender(resp, shape, out)
     result["prompt_token_ids"] = opts.prompt_token_ids if shape.return_token_ids else None
     for choice in result["choices"]:
         # include_reasoning false: coupled shows no per-token data that could reveal the reasoning
@@ -190,7 +193,7 @@ async def completion_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: 
     """A ``/v1/completions/derender`` answer for the engine's tokens, with the engine's token ids,
     usage (derender counts the ids it decoded) and stop-string cut."""
     ready = generate_for_derender(completion_candidates(out, opts.completion_logprobs), opts.keep_stop)
-    resp = await tier("derender", leg.path, leg.batch(streaming.dumps(ready)), "batch")
+    resp = await tier("derender", leg.path, leg.batch(sse.dumps(ready)), "batch")
     gen_choices = out.get("choices") or []
     cut = [c for c in gen_choices if cut_by_stop_string(c)]
     kept = dict(zip((c.get("index", 0) for c in cut), await kept_texts(cut, opts, tier))) if cut else {}
@@ -204,7 +207,7 @@ async def completion_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: 
 
 
 class StreamCall(Protocol):
-    """One streaming derender call (``streaming.DerenderCall``) and whether choices are held whole."""
+    """One streaming derender call (``stream.DerenderCall``) and whether choices are held whole."""
 
     hold: bool
 

@@ -10,10 +10,10 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg_sidecar import streaming
+from disagg_sidecar import sse
 from disagg_sidecar.errors import SidecarError, error_body
-from disagg_sidecar.failures import leg_failure
-from disagg_sidecar.upstream import LegError
+from disagg_sidecar.pipeline.failures import leg_failure
+from disagg_sidecar.upstream.client import LegError
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ class SSEWriter:
             await self.response.prepare(self.request)
 
     async def send(self, obj: Mapping[str, Any]) -> None:
-        await self.write(streaming.sse_json(obj))
+        await self.write(sse.sse_json(obj))
 
     async def fail(self, status: int, message: str) -> None:
         await self.send(error_body(status, message))
-        await self.write(streaming.DONE_EVENT)
+        await self.write(sse.DONE_EVENT)
 
 
 async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]]) -> web.StreamResponse:
@@ -74,5 +74,5 @@ async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]]) -> w
         log.exception("stream failed after the first byte")
         await writer.fail(500, "Internal sidecar error")
         return writer.response
-    await writer.write(streaming.DONE_EVENT)
+    await writer.write(sse.DONE_EVENT)
     return writer.response

@@ -19,14 +19,20 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
-from disagg_sidecar import chained, legs, plan, sessions, streaming, wire
-from disagg_sidecar.clientstream import SSEWriter
+from disagg_sidecar.derender import chained
+from disagg_sidecar.plan import legs
+from disagg_sidecar.plan import decisions
+from disagg_sidecar.derender import sessions
+from disagg_sidecar import sse
+from disagg_sidecar.derender import stream
+from disagg_sidecar import wire
+from disagg_sidecar.pipeline.clientstream import SSEWriter
 from disagg_sidecar.config import SidecarConfig
-from disagg_sidecar.context import Context
+from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.failures import leg_failure, streamed_error
+from disagg_sidecar.pipeline.failures import leg_failure, streamed_error
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream import LegError, Upstream, chunks
+from disagg_sidecar.upstream.client import LegError, Upstream, chunks
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ class Decoder:
     up: Upstream
     metrics: Metrics
 
-    async def call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
+    async def call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
                    ctx: Context, chat_raw: bytes | None, read: Read[T]) -> tuple[wire.OutputMode, T]:
         """The decode leg, asked again for tokens when the engine refuses the planned mode; the
         mode of the answer ``read`` read, and what it returned."""
@@ -58,7 +64,7 @@ class Decoder:
                     status, raw = resp.status, await resp.read()
             except LegError as exc:
                 raise leg_failure(exc) from exc
-            if not plan.retry_as_tokens(status, mode, decode_plan):
+            if not decisions.retry_as_tokens(status, mode, decode_plan):
                 raise self.error(status, raw)
             log.warning("decode engine rejected output_mode=%s, chaining instead: %s", mode, raw[:300])
             self.metrics.mode_fallbacks.labels(mode).inc()
@@ -77,16 +83,16 @@ class Decoder:
         self.metrics.leg_errors.labels("decode", "status").inc()
         return leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
 
-    async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
+    async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
                     ctx: Context, chat_raw: bytes | None) -> Any:
         """The decode answer, parsed."""
         mode, raw = await self.call(gen, kv, decode_plan, ctx, chat_raw, lambda resp, _: resp.read())
         answer = json.loads(raw)
-        if plan.answered_mode(answer) != mode:
+        if decisions.answered_mode(answer) != mode:
             self.metrics.mode_fallbacks.labels(mode).inc()
         return answer
 
-    async def stream(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: plan.DecodePlan,
+    async def stream(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
                      ctx: Context, stream_call: chained.StreamCall, chat_raw: bytes | None,
                      writer: SSEWriter, shaper: Shaper) -> Any:
         """Stream one prompt's decode leg to the client; returns its usage (sent by the caller)."""
@@ -98,9 +104,9 @@ class Decoder:
                           ctx: Context) -> web.StreamResponse:
         """A ``GenerateRequest`` client's decode leg, in the mode it asked for, its answer passed
         through (the bytes as they come when streamed)."""
-        self.metrics.output_modes.labels(plan.answered_mode(body)).inc()
+        self.metrics.output_modes.labels(decisions.answered_mode(body)).inc()
         try:
-            async with self.up.decode(streaming.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
+            async with self.up.decode(sse.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
                                       ctx.inflight) as resp:
                 if resp.status != 200 or not body.get("stream"):
                     raw = await resp.read()
@@ -137,8 +143,8 @@ class Decoder:
             if merged > 1:
                 self.metrics.coalesced_chunks.inc(merged - 1)
 
-        chain: streaming.ChainedDerender | sessions.SessionDerender | None = None
-        parser = streaming.SSEParser()
+        chain: stream.ChainedDerender | sessions.SessionDerender | None = None
+        parser = sse.SSEParser()
         error: dict[str, Any] | None = None
         try:
             async for data in chunks(resp, "decode", self.up.decode_url):
@@ -149,12 +155,12 @@ class Decoder:
                     if "error" in event:
                         error = event["error"]
                         continue
-                    if plan.answered_mode(event) == "tokens":
+                    if decisions.answered_mode(event) == "tokens":
                         if chain is None:
                             if mode != "tokens":
                                 self.metrics.mode_fallbacks.labels(mode).inc()
                             chain = sessions.derender_chain(self.up, stream_call, emit, lambda out: (
-                                streaming.ChainedDerender(stream_call, out, coalesce=self.config.limits.coalesce,
+                                stream.ChainedDerender(stream_call, out, coalesce=self.config.limits.coalesce,
                                                           hold=stream_call.hold, on_call=on_call)))
                         chain.feed(event)
                     else:

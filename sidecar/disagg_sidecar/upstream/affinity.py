@@ -27,12 +27,11 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 
+from disagg_sidecar.config import DEFAULT_LOAD_BOUND_PERCENT, DEFAULT_SHARE_WINDOW
+
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_CAPACITY_BLOCKS = 32_768  # per endpoint; ~100 bytes each, so a few MiB at most
 DEFAULT_MAX_IMBALANCE = 4
-# Consistent hashing with bounded loads' usual factor (1.25): with 2 endpoints, at most 62.5% each.
-DEFAULT_LOAD_BOUND_PERCENT = 125
-DEFAULT_SHARE_WINDOW = 64
 
 
 def block_chain(tokens: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[bytes]:

@@ -1,7 +1,7 @@
 """One request through the legs: render -> prefill -> decode (-> derender) -> the client.
 
-The decisions come from ``plan`` (output mode, prefill route), the bodies from ``legs``, the
-shapes from ``responses``; the legs are called by ``poollegs`` (render, derender, prefill) and
+The decisions come from ``decisions`` (output mode, prefill route), the bodies from ``legs``, the
+shapes from ``shapes``; the legs are called by ``poollegs`` (render, derender, prefill) and
 ``decoding`` (decode, with its refusal rule), and a stream's failure after the first byte is
 ``clientstream``'s. This module sequences them:
 - a decode answer in ``tokens`` (planned, or an engine that refused or ignored the inline mode)
@@ -23,13 +23,19 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg_sidecar import chained, derender_fixes, legs, plan, requestlimits, responses, wire
-from disagg_sidecar.clientstream import SSEWriter, run_stream
+from disagg_sidecar.derender import chained
+from disagg_sidecar.derender import fixes
+from disagg_sidecar.plan import legs
+from disagg_sidecar.plan import decisions
+from disagg_sidecar.plan import requestlimits
+from disagg_sidecar.derender import shapes
+from disagg_sidecar import wire
+from disagg_sidecar.pipeline.clientstream import SSEWriter, run_stream
 from disagg_sidecar.config import Capabilities, SidecarConfig
-from disagg_sidecar.context import Context
-from disagg_sidecar.decoding import Decoder
-from disagg_sidecar.poollegs import PoolLegs, Prefilled
-from disagg_sidecar.usage import total_usage
+from disagg_sidecar.pipeline.context import Context
+from disagg_sidecar.pipeline.decoding import Decoder
+from disagg_sidecar.pipeline.poollegs import PoolLegs, Prefilled
+from disagg_sidecar.derender.usage import total_usage
 
 
 @dataclass
@@ -41,8 +47,8 @@ class Flows:
     model_name: Callable[[], str | None]
 
     def _shape(self, body: Mapping[str, Any], gen: Mapping[str, Any], prefilled: Prefilled, created: int,
-               response_id: str, index_offset: int = 0) -> responses.Shape:
-        return responses.Shape(
+               response_id: str, index_offset: int = 0) -> shapes.Shape:
+        return shapes.Shape(
             id=response_id, created=created, model=self.model_name() or body.get("model"),
             prompt_tokens=len(gen[wire.TOKEN_IDS]),
             cached_tokens=prefilled.cached_tokens,
@@ -60,9 +66,9 @@ class Flows:
 
     async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
         created = int(time.time())
-        decode_plan = plan.decode_plan("chat", body, self.capabilities())
+        decode_plan = decisions.decode_plan("chat", body, self.capabilities())
         gen = self._checked(legs.rendered(await self.pools.call("render", wire.CHAT_RENDER, raw, ctx)))
-        decode_plan = plan.fit_to_render(decode_plan, gen)
+        decode_plan = decisions.fit_to_render(decode_plan, gen)
         prefilled = await self.pools.prefill(gen, ctx)
         kv = prefilled.kv
         shape = self._shape(body, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")
@@ -71,10 +77,10 @@ class Flows:
         tier = self.pools.tier(ctx)
         if not body.get("stream"):
             out = await self.decoder.batch(gen, kv, decode_plan, ctx, raw)
-            if plan.answered_mode(out) == "tokens":
+            if decisions.answered_mode(out) == "tokens":
                 result = await chained.chat_batch(out, derender, opts, shape, tier)
             else:
-                result = responses.chat_from_generate(out, shape, gen[wire.TOKEN_IDS])
+                result = shapes.chat_from_generate(out, shape, gen[wire.TOKEN_IDS])
             return web.json_response(result, headers=ctx.response_headers(), dumps=_dumps)
         writer = SSEWriter(request, ctx.response_headers())
         first: set[int] = set()
@@ -82,9 +88,9 @@ class Flows:
         async def run() -> None:
             stream_call = chained.ChatStream(derender, opts, tier, logprobs=bool(body.get("logprobs")))
             usage = await self.decoder.stream(gen, kv, decode_plan, ctx, stream_call, raw, writer,
-                                              lambda chunk: responses.chat_chunk(chunk, shape, first=first))
+                                              lambda chunk: shapes.chat_chunk(chunk, shape, first=first))
             if usage is not None:
-                await writer.send(responses.usage_chunk("chat.completion.chunk", shape, shape.usage(usage)))
+                await writer.send(shapes.usage_chunk("chat.completion.chunk", shape, shape.usage(usage)))
 
         return await run_stream(writer, run)
 
@@ -93,14 +99,14 @@ class Flows:
     async def completions(self, request: web.Request, raw: bytes, body: dict[str, Any],
                           ctx: Context) -> web.StreamResponse:
         created = int(time.time())
-        decode_plan = plan.decode_plan("completions", body, self.capabilities())
-        gens = [derender_fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
+        decode_plan = decisions.decode_plan("completions", body, self.capabilities())
+        gens = [fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
                 for g in await self.pools.call("render", wire.COMPLETIONS_RENDER, raw, ctx)]
         n = int(body.get("n") or 1)
         response_id = f"cmpl-{ctx.request_id}"
         tier = self.pools.tier(ctx)
 
-        def shape(i: int, prefilled: Prefilled) -> responses.Shape:
+        def shape(i: int, prefilled: Prefilled) -> shapes.Shape:
             return self._shape(body, gens[i], prefilled, created, response_id, index_offset=i * n)
 
         def derender(gen: Mapping[str, Any]) -> legs.DerenderLeg:
@@ -109,32 +115,32 @@ class Flows:
         async def one(i: int, gen: Mapping[str, Any]) -> tuple[list[dict[str, Any]], Any]:
             prefilled = await self.pools.prefill(gen, ctx)
             out = await self.decoder.batch(gen, prefilled.kv, decode_plan, ctx, None)
-            if plan.answered_mode(out) != "text":
+            if decisions.answered_mode(out) != "text":
                 out = await chained.completion_batch(out, derender(gen), chained.Options.of(body, gen), tier)
             s = shape(i, prefilled)
-            return responses.completion_choices(out, s, gen[wire.TOKEN_IDS]), s.usage(out.get("usage"))
+            return shapes.completion_choices(out, s, gen[wire.TOKEN_IDS]), s.usage(out.get("usage"))
 
         if not body.get("stream"):
             parts = await _gather(*(one(i, g) for i, g in enumerate(gens)))
             choices = [c for part, _ in parts for c in part]
-            result = responses.completion_response(choices, total_usage(u for _, u in parts), shape(0, Prefilled()))
+            result = shapes.completion_response(choices, total_usage(u for _, u in parts), shape(0, Prefilled()))
             return web.json_response(result, headers=ctx.response_headers(), dumps=_dumps)
 
         # Prefill every prompt before the first byte, so the response headers can say how.
         prefilled = await _gather(*(self.pools.prefill(g, ctx) for g in gens))
-        shapes = [shape(i, p) for i, p in enumerate(prefilled)]
+        prompt_shapes = [shape(i, p) for i, p in enumerate(prefilled)]
         writer = SSEWriter(request, ctx.response_headers())
 
         async def stream_one(i: int, gen: Mapping[str, Any]) -> Any:
             stream_call = chained.CompletionStream(derender(gen), chained.Options.of(body, gen), tier)
             usage = await self.decoder.stream(gen, prefilled[i].kv, decode_plan, ctx, stream_call, None, writer,
-                                              lambda chunk: responses.completion_chunk(chunk, shapes[i]))
-            return shapes[i].usage(usage) if usage is not None else None
+                                              lambda chunk: shapes.completion_chunk(chunk, prompt_shapes[i]))
+            return prompt_shapes[i].usage(usage) if usage is not None else None
 
         async def run() -> None:
             total = total_usage(await _gather(*(stream_one(i, g) for i, g in enumerate(gens))))
             if total is not None:
-                await writer.send(responses.usage_chunk("text_completion", shapes[0], total))
+                await writer.send(shapes.usage_chunk("text_completion", prompt_shapes[0], total))
 
         return await run_stream(writer, run)
 

@@ -13,15 +13,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from disagg_sidecar import chained, legs, plan, streaming, wire
+from disagg_sidecar.derender import chained
+from disagg_sidecar.plan import legs
+from disagg_sidecar.plan import decisions
+from disagg_sidecar import sse
+from disagg_sidecar import wire
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import KVConnector
-from disagg_sidecar.context import Context
+from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.failures import leg_failure
+from disagg_sidecar.pipeline.failures import leg_failure
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream import LegError, Upstream
-from disagg_sidecar.usage import cached_tokens
+from disagg_sidecar.upstream.client import LegError, Upstream
+from disagg_sidecar.derender.usage import cached_tokens
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +66,12 @@ class PoolLegs:
 
     async def prefill(self, gen: Mapping[str, Any], ctx: Context) -> Prefilled:
         """Run the prefill leg: the decode leg's ``kv_transfer_params`` and the prefill's cache hits."""
-        route = plan.prefill_route(self.config.prefill.mode == "remote", len(gen[wire.TOKEN_IDS]),
+        route = decisions.prefill_route(self.config.prefill.mode == "remote", len(gen[wire.TOKEN_IDS]),
                                    self.config.prefill.min_prompt_tokens)
         if route != "remote" or self.connector is None:
             self._count(ctx, route)
             return Prefilled()
-        body = streaming.dumps(legs.prefill_leg(gen, self.connector, tokens_only=self.config.prefill_tokens_only))
+        body = sse.dumps(legs.prefill_leg(gen, self.connector, tokens_only=self.config.prefill_tokens_only))
         try:
             reply = await self.up.call("prefill", wire.GENERATE, body, ctx.headers,
                                        first=ctx.prefill_target, inflight=ctx.inflight, prompt=gen[wire.TOKEN_IDS])

@@ -14,7 +14,7 @@ differently from the same tokens one by one, and coupled sends a delta per token
 
 Only a derender tier that may offer sessions is asked (``engine.derender_sessions``, which the
 operator sets from the spec). If the session cannot be opened (no endpoint offers sessions, the
-cap is reached) the stream takes today's stateless path (``streaming.ChainedDerender``) from its
+cap is reached) the stream takes today's stateless path (``stream.ChainedDerender``) from its
 start. If it fails mid-stream, each unfinished choice continues statelessly on another endpoint:
 one stateless call replays the lines the session had answered (``fed``; its output was delivered
 already and is dropped) to get their ``stream_state``, then the rest follows as usual, so the
@@ -35,8 +35,11 @@ from typing import Any, Literal
 
 import aiohttp
 
-from disagg_sidecar import chained, streaming, wire
-from disagg_sidecar.upstream import Upstream
+from disagg_sidecar.derender import chained
+from disagg_sidecar import sse
+from disagg_sidecar.derender import stream
+from disagg_sidecar import wire
+from disagg_sidecar.upstream.client import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ def open_line(stream_call: SessionStream, request_id: str) -> bytes:
         body.update(output_mode="derender", chat_request=context)
     else:
         body["completion_request"] = context
-    return streaming.dumps(body) + b"\n"
+    return sse.dumps(body) + b"\n"
 
 
 def session_row(chunk: dict[str, Any]) -> list[Any]:
@@ -118,30 +121,30 @@ async def endpoint_with_sessions(up: Upstream, api: Api) -> tuple[str, str] | No
 
 
 class SessionDerender:
-    """``streaming.ChainedDerender``'s interface (feed / finish / cancel) over one session."""
+    """``stream.ChainedDerender``'s interface (feed / finish / cancel) over one session."""
 
-    def __init__(self, up: Upstream, stream_call: SessionStream, emit: streaming.Emit, stateless: Stateless):
+    def __init__(self, up: Upstream, stream_call: SessionStream, emit: stream.Emit, stateless: Stateless):
         self.up, self.stream_call, self._emit, self._stateless = up, stream_call, emit, stateless
         self.request_id = ""
-        self._pending: list[streaming.Chunk] = []
+        self._pending: list[stream.Chunk] = []
         self._wake = asyncio.Event()
         self._closed = False
-        self._lines: dict[int, list[streaming.Chunk]] = {}  # per choice: the lines sent, in order
+        self._lines: dict[int, list[stream.Chunk]] = {}  # per choice: the lines sent, in order
         self._fed: dict[int, int] = {}  # per choice: lines whose output the client got
         self._started: set[int] = set()  # choices the client got a chunk of
         self._finished: set[int] = set()
-        self._fallback: streaming.ChainedDerender | None = None
-        self._usage: streaming.Chunk | None = None  # decode's usage chunk, for a stateless fallback
+        self._fallback: stream.ChainedDerender | None = None
+        self._usage: stream.Chunk | None = None  # decode's usage chunk, for a stateless fallback
         self._task = asyncio.create_task(self._run())
 
     # -- the interface -------------------------------------------------------------------------
 
-    def feed(self, chunk: streaming.Chunk) -> None:
+    def feed(self, chunk: stream.Chunk) -> None:
         if self._fallback is not None:
             self._fallback.feed(chunk)
             return
         self.request_id = self.request_id or str(chunk.get("request_id") or "")
-        if streaming.choice_index(chunk) is None:
+        if stream.choice_index(chunk) is None:
             self._usage = chunk  # a session counts usage itself; the stateless path relays this one
             return
         self._pending.append(chunk)
@@ -196,18 +199,18 @@ class SessionDerender:
             if self._closed and not self._pending:
                 return
 
-    def _rows(self, batch: list[streaming.Chunk]) -> bytes:
+    def _rows(self, batch: list[stream.Chunk]) -> bytes:
         """One line per token (see the module docstring), written together. Recorded before they
         are written: a line not answered yet is resent if the session fails."""
         out = []
         for chunk in batch:
-            for line in streaming.per_token(chunk):
-                self._lines.setdefault(streaming.choice_index(line) or 0, []).append(line)
-                out.append(streaming.dumps(session_row(line)) + b"\n")
+            for line in stream.per_token(chunk):
+                self._lines.setdefault(stream.choice_index(line) or 0, []).append(line)
+                out.append(sse.dumps(session_row(line)) + b"\n")
         return b"".join(out)
 
     async def _relay(self, content: aiohttp.StreamReader) -> None:
-        parser = streaming.SSEParser()
+        parser = sse.SSEParser()
         async for data in content.iter_any():
             for payload in parser.feed(data):
                 if payload.strip() == wire.SSE_DONE:
@@ -232,21 +235,21 @@ class SessionDerender:
         """Each unfinished choice statelessly from the last line the client got the output of."""
         started = set(self._started)
 
-        async def emit(chunk: streaming.Chunk) -> None:
+        async def emit(chunk: stream.Chunk) -> None:
             await self._emit(without_role(chunk, started))
 
         chain = self._stateless(emit)
-        backlog: list[streaming.Chunk] = []
+        backlog: list[stream.Chunk] = []
         for index, lines in sorted(self._lines.items()):
             if index in self._finished:
                 continue
             fed = self._fed.get(index, 0)
             if fed:  # its output was delivered: only the state is kept
-                _, state = await self.stream_call(streaming.merge_chunks(lines[:fed]), None)
+                _, state = await self.stream_call(stream.merge_chunks(lines[:fed]), None)
                 chain.resume(index, state)
             backlog.extend(lines[fed:])
         # Chunks that arrived meanwhile are in `_pending` until the chain takes over.
-        backlog.extend(c for c in self._pending if streaming.choice_index(c) not in self._finished)
+        backlog.extend(c for c in self._pending if stream.choice_index(c) not in self._finished)
         self._pending = []
         self._fallback = chain
         for chunk in backlog:
@@ -255,10 +258,10 @@ class SessionDerender:
             chain.feed(self._usage)  # it came before the fallback took over; it still comes last
 
 
-Stateless = Callable[[streaming.Emit], streaming.ChainedDerender]
+Stateless = Callable[[stream.Emit], stream.ChainedDerender]
 
 
-def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: streaming.Emit,
+def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: stream.Emit,
                    stateless: Stateless) -> Any:
     """The chained stream's derender: a session where the derender tier may offer them, else the
     stateless one."""

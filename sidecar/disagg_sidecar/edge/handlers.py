@@ -18,11 +18,15 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
-from disagg_sidecar import allowlist, bodycheck, plan, requestlimits, wire
+from disagg_sidecar.edge import allowlist
+from disagg_sidecar.edge import bodycheck
+from disagg_sidecar.plan import decisions
+from disagg_sidecar.plan import requestlimits
+from disagg_sidecar import wire
 from disagg_sidecar.budget import Reservation
 from disagg_sidecar.errors import SidecarError, bad_request
-from disagg_sidecar.context import Context
-from disagg_sidecar.flows import Flows
+from disagg_sidecar.pipeline.context import Context
+from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import CONTENT_TYPE
@@ -107,7 +111,7 @@ def context(request: web.Request, body: Any) -> Context:
     return Context(request_id, headers, target, engine_id=engine_id)
 
 
-async def _serve(request: web.Request, api: plan.Api) -> web.StreamResponse:
+async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse:
     state = request.app[STATE]
     if state.full():  # refused before reading a byte of the body when no slot is free now
         raise _no_slot(request)
@@ -120,9 +124,9 @@ async def _serve(request: web.Request, api: plan.Api) -> web.StreamResponse:
         try:
             raw, body = await read_json(request, reservation)
             if api == "generate":
-                plan.check_generate_request(body)
+                decisions.check_generate_request(body)
             else:
-                plan.check_openai_request(api, body)
+                decisions.check_openai_request(api, body)
             requestlimits.check(api, body, state.config.limits)
             ctx = context(request, body)
         finally:
@@ -144,7 +148,7 @@ def _no_slot(request: web.Request) -> SidecarError:
                         headers={"Retry-After": "1"})
 
 
-async def _run(request: web.Request, api: plan.Api, raw: bytes, body: Any, ctx: Context) -> web.StreamResponse:
+async def _run(request: web.Request, api: decisions.Api, raw: bytes, body: Any, ctx: Context) -> web.StreamResponse:
     flows: Flows = request.app[FLOWS]
     try:
         if api == "chat":

@@ -1,4 +1,4 @@
-"""Server-sent events, and the chained streaming derender with chunk coalescing.
+"""The chained streaming derender with chunk coalescing, and merging generate chunks.
 
 Chained streaming: every generate chunk goes to the derender tier with the ``stream_state`` the
 previous call returned for the same choice index; the usage chunk too; ``[DONE]`` never. The
@@ -15,55 +15,10 @@ This module does no I/O itself: the derender call and the client write are passe
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from disagg_sidecar import wire
-
-Chunk = dict[str, Any]
-
-
-# -- SSE ---------------------------------------------------------------------------------------
-
-class SSEParser:
-    """Incremental parser: ``feed(bytes)`` returns the ``data`` payloads of complete events."""
-
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        split_crlf = self._buf.endswith(b"\r")
-        self._buf += data
-        if split_crlf or b"\r" in data:
-            self._buf = self._buf.replace(b"\r\n", b"\n")  # a CRLF may be split across reads
-        *events, self._buf = self._buf.split(b"\n\n")
-        return [p for p in map(_payload, events) if p is not None]
-
-    def flush(self) -> list[bytes]:
-        rest, self._buf = self._buf, b""
-        payload = _payload(rest)
-        return [payload] if payload is not None else []
-
-
-def _payload(event: bytes) -> bytes | None:
-    lines = [line[5:].removeprefix(b" ").rstrip(b"\r") for line in event.split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(lines) if lines else None
-
-
-def sse(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
-
-
-def sse_json(obj: Any) -> bytes:
-    return sse(dumps(obj))
-
-
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-DONE_EVENT = sse(wire.SSE_DONE)
+from disagg_sidecar.sse import Chunk
 
 
 # -- merging generate chunks -----------------------------------------------------------------
@@ -219,15 +174,3 @@ class ChainedDerender:
 
 def _finished(chunk: Chunk) -> bool:
     return any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
-
-
-def split_events(payloads: Iterable[bytes]) -> tuple[list[Chunk], bool]:
-    """Decode SSE payloads; returns the JSON events and whether ``[DONE]`` was among them."""
-    done = False
-    events = []
-    for p in payloads:
-        if p.strip() == wire.SSE_DONE:
-            done = True
-        else:
-            events.append(json.loads(p))
-    return events, done

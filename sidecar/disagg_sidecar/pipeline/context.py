@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg_sidecar import legs, wire
-from disagg_sidecar.upstream import InFlight
+from disagg_sidecar.plan import legs
+from disagg_sidecar import wire
+from disagg_sidecar.upstream.client import InFlight
 
 
 @dataclass
