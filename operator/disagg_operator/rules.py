@@ -22,8 +22,7 @@ from typing import Any
 
 from disagg_operator import engine_args
 from disagg_operator.arg_rules import FlagRule, cel_list
-from disagg_operator.kv import NO_CONNECTOR, connector_choices
-from disagg_sidecar.connectors import REGISTRY as KV_CONNECTORS
+from disagg_sidecar.connectors import DEFAULT as DEFAULT_CONNECTOR, REGISTRY as KV_CONNECTORS
 
 ROOT = "DisaggregatedModel"
 
@@ -40,6 +39,20 @@ SOURCE_RE = (
     r"|~?/[^ ]*)$"  # ~/PATH: local mode expands it (a Kubernetes pod has no home of yours)
 )
 VERSION_RE = r"^[0-9]+[.][0-9]+[.][0-9]+([-+.a-z][-+.a-z0-9]*)?$"
+
+NO_CONNECTOR = "None"  # kvTransfer.connector's value that turns KV transfer off
+
+
+def connector_choices() -> tuple[str, ...]:
+    """What kvTransfer.connector accepts: every registered connector, or None."""
+    return (*KV_CONNECTORS, NO_CONNECTOR)
+
+
+def connector_description() -> str:
+    """The CRD's words for kvTransfer.connector, e.g. "A (default), B (shared storage) or None."."""
+    named = [f"{c.name}{' (default)' if c.name == DEFAULT_CONNECTOR else ''}{f' ({c.summary})' if c.summary else ''}"
+             for c in KV_CONNECTORS.values()]
+    return f"{', '.join(named)} or {NO_CONNECTOR}."
 
 
 @dataclass(frozen=True)

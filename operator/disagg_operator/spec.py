@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from disagg_operator.kv import connector_description
+from disagg_operator.rules import connector_description
 from disagg_operator.security_spec import NetworkPolicySpec, SecuritySpec
 from disagg_operator.spec_base import (  # noqa: F401  (re-exported: the API's building blocks)
     MAX_ARG_LENGTH, MAX_ARGS, Arg, Args, KubeObject, ShortString, WireModel,
