@@ -140,8 +140,8 @@ class EngineSpec(WireModel):
         "decode derenders its own stream.")
     render_extension: bool = Field(
         True, description="Enable it on the render and derender pools where cpuImage contains the disagg package (the "
-        "default image does; a stock vllm/vllm-openai[-cpu] image does not, and runs without it): on vLLM 0.32 they "
-        "keep a stream's parser state in a derender session. Without it, streams through a stock decode are "
+        "default image does; a stock vllm/vllm-openai[-cpu] image does not, and runs without it): they keep a "
+        "stream's parser state in a derender session. Without it, streams through a stock decode are "
         "derendered per chunk (status.derender.strategy: stateless).")
     port: int = Field(8200, description="HTTP port of every vLLM server.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
