@@ -89,15 +89,17 @@ def free_block(busy: set[int], bases: Iterable[int] = CLUSTER_PORT_BASES, size: 
 
 # --- processes -------------------------------------------------------------------------------
 
-def start_logged(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+def start_logged(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
+                 pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """Start ``argv`` (a list, never a shell string) in its own session, so that a Ctrl-C in the
     caller's terminal spares it and stopping its group stops its children; stdout and stderr go
-    to ``log_path`` (appended), stdin is /dev/null. Our descriptors (locks) are not inherited."""
+    to ``log_path`` (appended), stdin is /dev/null. Our descriptors (locks) are not inherited but
+    ``pass_fds``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=None if env is None else dict(env), start_new_session=True,
+            env=None if env is None else dict(env), start_new_session=True, pass_fds=tuple(pass_fds),
         )
 
 
