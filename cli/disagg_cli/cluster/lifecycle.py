@@ -73,7 +73,7 @@ def stop_all(c: Cluster) -> bool:
     stages += [[p for p, n in names.items() if n == last] for last in _STOP_LAST]
     left = []
     for pids in filter(None, stages):
-        left += stop_pids(pids, running, (signal.SIGTERM, signal.SIGKILL), grace=15.0,
+        left += stop_pids(pids, running, (signal.SIGTERM, signal.SIGKILL),
                           on_left=lambda sig, pids: log(f"still running after {signal.Signals(sig).name}: "
                                                         f"{in_order(pids)}"))
     return not left

@@ -90,7 +90,7 @@ class Node:
 
     @staticmethod
     def stop(pids: list[int], signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGKILL)) -> None:
-        """Each signal in turn, 15 s apart, until they are gone."""
+        """Each signal in turn, STOP_GRACE apart, until they are gone."""
         def left(sig: int, pids: list[int]) -> None:
             if sig == signals[-1]:
                 log(f"still running after SIGKILL: {' '.join(map(str, pids))}")
