@@ -26,6 +26,7 @@ SERVER_PORTS = range(15000, 27400)
 # The control plane's blocks: CLUSTER_BLOCK consecutive ports from each base, first free one wins.
 CLUSTER_PORT_BASES = range(27400, 28000, 10)
 CLUSTER_BLOCK = 6
+STOP_GRACE = 15.0  # seconds a stopped process has before the next signal (KILL)
 
 _handed_out: set[int] = set()  # not yet bound by whoever asked: never hand them out twice
 _handing_out = threading.Lock()  # threads asking at once (seen: two proxies given one port)
@@ -89,15 +90,17 @@ def free_block(busy: set[int], bases: Iterable[int] = CLUSTER_PORT_BASES, size: 
 
 # --- processes -------------------------------------------------------------------------------
 
-def start_logged(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+def start_logged(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
+                 pass_fds: Sequence[int] = ()) -> subprocess.Popen:
     """Start ``argv`` (a list, never a shell string) in its own session, so that a Ctrl-C in the
     caller's terminal spares it and stopping its group stops its children; stdout and stderr go
-    to ``log_path`` (appended), stdin is /dev/null. Our descriptors (locks) are not inherited."""
+    to ``log_path`` (appended), stdin is /dev/null. Our descriptors (locks) are not inherited but
+    ``pass_fds``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=None if env is None else dict(env), start_new_session=True,
+            env=None if env is None else dict(env), start_new_session=True, pass_fds=tuple(pass_fds),
         )
 
 
@@ -162,7 +165,7 @@ def poll_until(ready: Callable[[], bool], timeout: float, interval: float = 0.2,
 
 
 def stop_pids(pids: Sequence[int], running: Callable[[int], bool], signals: Sequence[int] = (signal.SIGTERM, signal.SIGKILL),
-              grace: float = 15.0, on_left: Callable[[int, list[int]], None] | None = None) -> list[int]:
+              grace: float = STOP_GRACE, on_left: Callable[[int, list[int]], None] | None = None) -> list[int]:
     """Send each signal in turn to the ``pids`` still ``running`` (in the given order) and wait up
     to ``grace`` seconds for all of them to stop; returns those left after the last signal."""
     left = [p for p in pids if running(p)]
@@ -181,7 +184,7 @@ def stop_pids(pids: Sequence[int], running: Callable[[int], bool], signals: Sequ
     return left
 
 
-def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace: float = STOP_GRACE) -> None:
     """Send ``sig`` to the process group ``proc`` leads (started with ``start_new_session``), KILL
     the group if ``proc`` outlives ``grace`` seconds; no-op once it has exited."""
     if proc.poll() is not None:

@@ -64,7 +64,7 @@ NOT_A_FLAG: tuple[str, ...] = ("", "-", "--")  # a value, or `--` (end of option
 def flag_name(arg: str) -> str:
     """The flag an argument sets, as vLLM's parser sees it (`--a_b.c=1` → `--a-b`).
 
-    Mirrored in CEL by ``_cel_flag`` in arg_rules.py; keep the two in step.
+    Mirrored in CEL by ``_cel_flag`` in rules.py; keep the two in step.
     """
     return arg.split("=")[0].split(".")[0].replace("_", "-")
 
@@ -76,7 +76,7 @@ def forbidden_flag(arg: str, flags: Sequence[str]) -> str | None:
     `-tp`), so an argument whose flag is a prefix of a forbidden one is refused too; an ambiguous
     prefix would not start vLLM anyway. The flag itself wins over a longer one it is a prefix of
     (`--tokenizer`, not `--tokenizer-mode`); otherwise the first in ``flags`` order is named.
-    Mirrored in CEL by ``_cel_sets`` and ``FlagRule.message_cel`` in arg_rules.py; keep the two in step.
+    Mirrored in CEL by ``_cel_sets`` and ``FlagRule.message_cel`` in rules.py; keep the two in step.
     """
     name = flag_name(arg)
     if name in NOT_A_FLAG:

@@ -14,25 +14,13 @@ from typing import TYPE_CHECKING, Any
 from disagg_operator import engine_args
 from disagg_operator.names import Role
 from disagg_operator.pool_plan import POD_IP, EnvVar
-from disagg_sidecar.connectors import DEFAULT, REGISTRY, KVConnector, SideChannel
+from disagg_operator.rules import NO_CONNECTOR
+from disagg_sidecar.connectors import REGISTRY, KVConnector, SideChannel
 
-if TYPE_CHECKING:  # spec.py's rules read the choices below
+if TYPE_CHECKING:
     from disagg_operator.spec import DisaggregatedModelSpec, GPUPoolSpec
 
-NO_CONNECTOR = "None"  # the spec's value that turns KV transfer off
 KV_SHARED_PATH = "/var/lib/disagg/kv"  # a connector's shared directory in pods
-
-
-def connector_choices() -> tuple[str, ...]:
-    """What kvTransfer.connector accepts: every registered connector, or None."""
-    return (*REGISTRY, NO_CONNECTOR)
-
-
-def connector_description() -> str:
-    """The CRD's words for kvTransfer.connector, e.g. "A (default), B (shared storage) or None."."""
-    named = [f"{c.name}{' (default)' if c.name == DEFAULT else ''}{f' ({c.summary})' if c.summary else ''}"
-             for c in REGISTRY.values()]
-    return f"{', '.join(named)} or {NO_CONNECTOR}."
 
 
 @dataclass(frozen=True)

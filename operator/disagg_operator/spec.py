@@ -9,15 +9,13 @@ validators share one table and one set of messages.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
-from disagg_operator.kv import connector_description
-from disagg_operator.security_spec import NetworkPolicySpec, SecuritySpec
-from disagg_operator.spec_base import (  # noqa: F401  (re-exported: the API's building blocks)
-    MAX_ARG_LENGTH, MAX_ARGS, Arg, Args, KubeObject, ShortString, WireModel,
-)
+from disagg_operator import rules
 from disagg_sidecar.connectors import DEFAULT as DEFAULT_CONNECTOR
 
 GROUP = "disagg.dev"
@@ -34,6 +32,36 @@ DEFAULT_GPU_IMAGE = f"vllm/vllm-openai:v{DEFAULT_VLLM_VERSION}"
 IMAGE_REGISTRY = "ghcr.io/disagg"
 DEFAULT_CPU_IMAGE = f"{IMAGE_REGISTRY}/vllm-cpu:v{DEFAULT_VLLM_VERSION}"
 DEFAULT_SIDECAR_IMAGE = f"{IMAGE_REGISTRY}/disagg:0.1.0"  # the operator image the chart installs (its appVersion)
+
+# --- the base of every API object and the bounded types they share --------------------------
+
+# Bounds that keep CEL cost estimates finite (the API server rejects unbounded list/string rules).
+MAX_ARGS = 64
+MAX_ARG_LENGTH = 4096
+
+# Kubernetes objects we pass through untouched (resources, affinity, tolerations, valueFrom, ...).
+KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_LENGTH)]
+Args = Annotated[list[Arg], Field(max_length=MAX_ARGS)]
+ShortString = Annotated[str, StringConstraints(max_length=256)]
+
+
+class WireModel(BaseModel):
+    """Base of every API object: camelCase on the wire, unknown fields rejected, rules enforced."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+    @model_validator(mode="after")
+    def _apply_rules(self) -> WireModel:
+        broken = rules.failures(type(self).__name__, self)
+        if broken:
+            messages = [r.message_for(self) for r in broken]
+            raise PydanticCustomError(
+                "disagg_rule", "{summary}",
+                {"summary": "; ".join(messages), "rules": [r.id for r in broken], "messages": messages},
+            )
+        return self
+
 
 # --- model -----------------------------------------------------------------------------------
 
@@ -112,8 +140,8 @@ class EngineSpec(WireModel):
         "decode derenders its own stream.")
     render_extension: bool = Field(
         True, description="Enable it on the render and derender pools where cpuImage contains the disagg package (the "
-        "default image does; a stock vllm/vllm-openai[-cpu] image does not, and runs without it): on vLLM 0.32 they "
-        "keep a stream's parser state in a derender session. Without it, streams through a stock decode are "
+        "default image does; a stock vllm/vllm-openai[-cpu] image does not, and runs without it): they keep a "
+        "stream's parser state in a derender session. Without it, streams through a stock decode are "
         "derendered per chunk (status.derender.strategy: stateless).")
     port: int = Field(8200, description="HTTP port of every vLLM server.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
@@ -129,7 +157,7 @@ class KVTransferSpec(WireModel):
     """How prefill hands KV cache to decode."""
 
     connector: Annotated[str, StringConstraints(max_length=64)] = Field(
-        DEFAULT_CONNECTOR, description=connector_description()
+        DEFAULT_CONNECTOR, description=rules.connector_description()
     )
     extra_config: KubeObject | None = Field(None, description="vLLM kv_connector_extra_config.")
     side_channel_port: int = Field(5600, description="NIXL side-channel port (one more per data-parallel rank).")
@@ -253,6 +281,57 @@ class RouterSpec(WireModel):
     resources: KubeObject | None = Field(
         None, description="Sidecar container resources; default requests 100m CPU and 128Mi, limit 512Mi: ~52 MiB "
         "idle + the sidecar's 256 MiB budget for bodies in flight + one request's parse (docs/security.md).")
+
+
+# --- security (docs/security.md) ------------------------------------------------------------
+
+class NetworkPolicySpec(WireModel):
+    """Per-model NetworkPolicies: engine ports reachable only from this model's own pods."""
+
+    enabled: bool = Field(
+        True, description="Write one NetworkPolicy per pool: clients reach only the sidecar port of decode pods; "
+        "render, derender and prefill engines accept only this model's decode pods (and, with NIXL, prefill and "
+        "decode pods accept each other for KV transfer). Needs a network plugin that enforces NetworkPolicies."
+    )
+    extra_engine_from: list[KubeObject] = Field(
+        default_factory=list, max_length=16,
+        description="More sources (NetworkPolicyPeer: podSelector, namespaceSelector, ipBlock) allowed to every "
+        "pool's engine port, e.g. a Prometheus scraping vLLM's /metrics; they can call the engines' whole API.",
+    )
+
+
+class EngineAPIKeySpec(WireModel):
+    """A key every engine requires (vLLM's VLLM_API_KEY) and the sidecar sends."""
+
+    enabled: bool = Field(
+        True, description="Generate a Secret <name>-engine-api-key once (kept across reconciles, deleted with the "
+        "model) and give its key to every vLLM container (env VLLM_API_KEY) and to the sidecar. vLLM then refuses "
+        "/v1, /inference requests without it; /health and /metrics stay open.")
+
+
+class SecretKeyRef(WireModel):
+    """A key of a Secret in the DisaggregatedModel's namespace."""
+
+    name: ShortString
+    key: ShortString = "api-key"
+
+
+class TLSSpec(WireModel):
+    """HTTPS between the sidecar and every engine, with a certificate the user provides."""
+
+    secret_name: ShortString = Field(
+        description="A Secret with tls.crt, tls.key and ca.crt (cert-manager's keys), e.g. from a cert-manager "
+        "Certificate. tls.crt must carry the DNS name <name>-engine.<namespace>.svc: the sidecar verifies every "
+        "engine against that name (prefill pods are dialled by IP). Engines get --ssl-keyfile/--ssl-certfile, "
+        "probes use HTTPS, the sidecar verifies with ca.crt. The client port stays HTTP.")
+
+
+class SecuritySpec(WireModel):
+    engine_api_key: EngineAPIKeySpec = Field(default_factory=EngineAPIKeySpec, alias="engineAPIKey")
+    client_api_key: SecretKeyRef | None = Field(
+        None, alias="clientAPIKey", description="A Secret key clients must send as `Authorization: Bearer` to the "
+        "sidecar port (401 otherwise; /health and /metrics stay open). Unset: the client port takes no key.")
+    tls: TLSSpec | None = Field(None, description="HTTPS between the sidecar and the engines; unset: plain HTTP.")
 
 
 class DisaggregatedModelSpec(WireModel):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from kubernetes.utils import parse_quantity
 
-from disagg_cli.cluster import components, pki
+from disagg_cli.cluster import components, layout, pki
 from disagg_cli.cluster.layout import COMPONENTS, Cluster, Ports, state_dir
 from disagg_operator.commands import render_manifests
 
@@ -79,7 +79,7 @@ def test_apiserver_authenticates_and_authorizes_like_a_real_cluster(made):
     assert api["service-account-issuer"] == "https://kubernetes.default.svc.cluster.local"
     assert (api["service-account-key-file"], api["service-account-signing-key-file"]) == (
         f"{made.pki}/sa.pub", f"{made.pki}/sa.key")
-    assert api["service-cluster-ip-range"] == components.SERVICE_CIDR
+    assert api["service-cluster-ip-range"] == layout.SERVICE_CIDR
     kcm = _flags(components.controller_manager(made))
     assert kcm["use-service-account-credentials"] == "true"  # each controller with its own RBAC
     assert kcm["service-account-private-key-file"] == api["service-account-signing-key-file"]

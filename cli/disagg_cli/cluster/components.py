@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from disagg_cli.cluster.layout import NODES, Cluster
-
-SERVICE_CIDR = "10.96.0.0/16"  # scripts/node routes it to its bridge
+from disagg_cli.cluster.layout import CLUSTER_DOMAIN, NODES, SERVICE_CIDR, Cluster
 
 
 def etcd(c: Cluster) -> list[str]:
@@ -23,7 +21,7 @@ def apiserver(c: Cluster) -> list[str]:
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={c.ports.api}",
             f"--cert-dir={p}", f"--tls-cert-file={p}/apiserver.crt", f"--tls-private-key-file={p}/apiserver.key",
             f"--client-ca-file={p}/ca.crt",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-issuer=https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
             f"--service-account-key-file={p}/sa.pub", f"--service-account-signing-key-file={p}/sa.key",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
             "--allow-privileged=true",

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from disagg_cli.cluster import components, pki, probes
+from disagg_cli.cluster import components, node, pki, probes
 from disagg_cli.cluster.layout import COMPONENTS, REPO, TOOLS, Cluster, Ports
 from disagg_engine.processes import (
     CLUSTER_BLOCK, CLUSTER_PORT_BASES, busy_ports, free_block, is_ours, log_tail, poll_until, start_logged, stop_pids,
@@ -73,7 +73,7 @@ def stop_all(c: Cluster) -> bool:
     stages += [[p for p, n in names.items() if n == last] for last in _STOP_LAST]
     left = []
     for pids in filter(None, stages):
-        left += stop_pids(pids, running, (signal.SIGTERM, signal.SIGKILL), grace=15.0,
+        left += stop_pids(pids, running, (signal.SIGTERM, signal.SIGKILL),
                           on_left=lambda sig, pids: log(f"still running after {signal.Signals(sig).name}: "
                                                         f"{in_order(pids)}"))
     return not left
@@ -203,10 +203,9 @@ def down(state: Path) -> int:
     if not state.is_dir():
         log(f"not running ({state} does not exist)")
         return 0
-    if (state / "node").is_dir():  # the real node first: it needs the apiserver to drain its pods
-        env = {**os.environ, "DISAGG_CLUSTER_DIR": str(state), "DISAGG_NODE_DRAIN": "0"}
-        if subprocess.run([str(REPO / "scripts" / "node"), "down"], env=env).returncode:
-            log(f"ERROR: scripts/node down failed; state kept in {state}")
+    if (state / "node").is_dir():  # the real node first: its processes and host changes (no drain)
+        if node.Node(state, {**os.environ, "DISAGG_NODE_DRAIN": "0"}).down():
+            log(f"ERROR: the real node's down failed; state kept in {state}")
             return 1
     c = load(state)
     if c is not None:

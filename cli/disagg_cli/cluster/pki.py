@@ -1,19 +1,29 @@
 """The cluster's certificates (openssl) and self-contained kubeconfigs.
 
 EC P-256 keys: generated in milliseconds, accepted by every component (incl. SA token signing).
-scripts/node issues its node's certificates with the same CA through ``scripts/cluster issue``.
+The real node (``node.py``) issues its certificates with the same CA.
 """
 
 from __future__ import annotations
 
 import base64
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
+from disagg_cli.cluster.layout import API_SERVICE_IP, CLUSTER_DOMAIN
+
+# openssl x509 -extfile texts: a client certificate, and a server's for the names it is reached by.
 CLIENT = "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature"
-APISERVER = ("subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-             "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
-             "extendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature")
+
+
+def server(names: Iterable[str]) -> str:
+    """A serving certificate's extensions for ``names`` (``IP:...``, ``DNS:...``)."""
+    return f"subjectAltName={','.join(names)}\nextendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature"
+
+
+APISERVER = server(["IP:127.0.0.1", f"IP:{API_SERVICE_IP}", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+                    "DNS:kubernetes.default.svc", f"DNS:kubernetes.default.svc.{CLUSTER_DOMAIN}"])
 
 
 def _openssl(*args: str, quiet: bool = False, input: str | None = None) -> None:
