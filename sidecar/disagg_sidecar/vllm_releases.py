@@ -114,3 +114,38 @@ def untested_message(version: str) -> str:
     return (f"vLLM {version} is not one Disagg was tested with (supported: {names()}): it is deployed without "
             "derender sessions and without assuming what stock vLLM does; the sidecar uses only what the "
             "engines report")
+
+
+# --- the stateless derender's stream_state across releases --------------------------------------
+# A chained stream carries DerenderStreamState between derender calls; behind a Service, successive
+# calls may reach render pods of different releases during a rolling upgrade. The window cannot be
+# translated (0.33 keeps token strings, 0.34 token ids; only a tokenizer maps one to the other), so a
+# state must be read by a release that keeps its window under the same key.
+WINDOW_KEYS: tuple[StreamStateKey, ...] = tuple(sorted({r.stream_state_key for r in RELEASES if r.stream_state_key}))
+
+
+def _states(state: object) -> list[dict]:
+    if isinstance(state, dict):
+        return [state]
+    if isinstance(state, list):
+        return [s for s in state if isinstance(s, dict)]
+    return []
+
+
+def window_lost(sent: object, answered: object) -> bool:
+    """Whether the derender call that got ``sent`` (a stream_state, or a list of them) answered from a
+    release that keeps the window under another key: it ignored ours and decoded without it."""
+    ours = {k for s in _states(sent) for k in WINDOW_KEYS if s.get(k)}
+    theirs = {k for s in _states(answered) for k in WINDOW_KEYS if k in s}
+    return bool(ours) and bool(theirs) and not ours & theirs
+
+
+def strip_parse_context(parse_context: dict, row: Release) -> dict | None:
+    """Render's ``parse_context`` as ``row``'s generate server accepts it, or None when it cannot
+    honour it: ``return_tokens_as_token_ids`` (0.34) is unknown to older servers, which refuse it;
+    unset, it is dropped; set, the inline derender would answer other logprob tokens, so None."""
+    if row.parse_context_token_ids or "return_tokens_as_token_ids" not in parse_context:
+        return parse_context
+    if parse_context["return_tokens_as_token_ids"] is not None:
+        return None
+    return {k: v for k, v in parse_context.items() if k != "return_tokens_as_token_ids"}

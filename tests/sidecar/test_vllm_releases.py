@@ -49,3 +49,36 @@ def test_the_window_is_current_previous_and_the_main_lane() -> None:
 def test_readme_names_the_supported_releases_of_the_table() -> None:
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert releases.supported_line() in readme
+
+
+# --- stream_state windows and parse_context across releases ---------------------------------------
+
+WINDOW_033 = {"prev_tokens": ["▁Hel", "lo"], "prefix_offset": 0, "read_offset": 2}
+WINDOW_034 = {"prev_token_ids": [9707, 385], "prefix_offset": 0, "read_offset": 2}
+
+
+@pytest.mark.parametrize(("sent", "answered", "lost"), [
+    (WINDOW_033, {**WINDOW_033, "prev_tokens": ["lo", "!"]}, False),  # the same release read it
+    (WINDOW_034, {**WINDOW_034, "prev_token_ids": [385, 0]}, False),
+    (WINDOW_033, {"prev_token_ids": [0], "prefix_offset": 0, "read_offset": 1}, True),  # 0.34 ignored 0.33's
+    (WINDOW_034, {"prev_tokens": ["!"], "prefix_offset": 0, "read_offset": 1}, True),  # and the reverse
+    (None, {"prev_token_ids": [0]}, False),  # the first call: no window to lose
+    ({"prev_tokens": [], "prefix_offset": 0, "read_offset": 0}, {"prev_token_ids": [0]}, False),  # empty window
+    ({"output_token_ids": [1, 2]}, {"output_token_ids": [1, 2, 3]}, False),  # the parser's replay state
+    ([WINDOW_033, WINDOW_033], [{"prev_token_ids": [1]}, {"prev_token_ids": [2]}], True),  # per choice
+    (WINDOW_033, None, False),
+])
+def test_a_window_read_by_another_release_is_detected(sent, answered, lost: bool) -> None:
+    assert releases.window_lost(sent, answered) is lost
+
+
+@pytest.mark.parametrize(("context", "version", "expected"), [
+    ({"tools": None, "return_tokens_as_token_ids": True}, "0.34.0", {"tools": None, "return_tokens_as_token_ids": True}),
+    ({"tools": None, "return_tokens_as_token_ids": None}, "0.33.0", {"tools": None}),  # unknown there: dropped
+    ({"tools": None, "return_tokens_as_token_ids": True}, "0.33.0", None),  # cannot be honoured: no inline derender
+    ({"tools": None, "return_tokens_as_token_ids": False}, "0.33.0", None),
+    ({"tools": None}, "0.33.0", {"tools": None}),
+    ({"tools": None, "return_tokens_as_token_ids": True}, "0.35.0", None),  # untested: nothing assumed
+])
+def test_parse_context_as_the_decode_release_reads_it(context: dict, version: str, expected: dict | None) -> None:
+    assert releases.strip_parse_context(context, releases.release(version)) == expected
