@@ -11,6 +11,7 @@ Layers (each imports only the ones below it):
   decode engine may be asked for), ``legs`` (per-leg bodies), ``connectors`` (KV params),
   ``allowlist`` (x-prefiller-host-port), ``streaming`` (SSE, chained derender with coalescing),
   ``responses``/``usage``/``derender_fixes`` (coupled response shapes);
-- ``config`` (the file), ``wire`` (names), ``errors``, ``metrics``, ``logs``, ``state``, ``keys``.
+- ``config`` (the file), ``wire`` (names), ``vllm_releases`` (the supported vLLM releases, also read
+  by the operator and the engine extension), ``errors``, ``metrics``, ``logs``, ``state``, ``keys``.
 Nothing here imports vLLM or torch.
 """
