@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg_sidecar import wire
+from disagg_sidecar import vllm_releases, wire
 
 EXTENSION_VERSION = "1"
 PLUGIN_NAME = wire.ENGINE_EXTENSION
@@ -20,7 +20,16 @@ ABORT_PATH = wire.ABORT
 def _common() -> dict[str, Any]:
     from disagg_engine.vllm_compat import vllm_version
 
-    return {"extension": PLUGIN_NAME, "extension_version": EXTENSION_VERSION, "vllm_version": vllm_version()}
+    return {"extension": PLUGIN_NAME, "extension_version": EXTENSION_VERSION, "vllm_version": vllm_version(),
+            **release_report(vllm_version())}
+
+
+def release_report(version: str) -> dict[str, Any]:
+    """What the running vLLM offers without the extension, from the release table (``vllm_release``:
+    its row, None outside the table, where every offer is false)."""
+    row = vllm_releases.known(version)
+    return {"vllm_release": row.name if row else None, "vllm_offers": vllm_releases.features(version),
+            "stream_state_key": vllm_releases.release(version).stream_state_key}
 
 
 def generate_capabilities(serving, args) -> dict[str, Any]:

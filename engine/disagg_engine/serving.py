@@ -6,7 +6,9 @@ the deltas are exactly what the coupled endpoint returns for the same tokens: on
 choice, created when the request starts and dropped when it ends or is aborted; no replay, no
 client-carried state. Only the shape is changed (``shapes.py``). vLLM's ``serve_tokens`` runs
 such a request as ``text`` (``DisaggGenerateRequest.for_extension``): vLLM 0.33 refuses a streamed
-``derender`` itself. A batch ``derender`` with ``parse_context`` on vLLM 0.33 is 0.33's own.
+``derender`` itself. What vLLM does itself stays vLLM's (``vllm_compat``): a batch ``derender``
+with ``parse_context`` from 0.33 on, a streamed one from 0.34 on; the extension keeps the
+``chat_request`` form and, before 0.34, the streamed ``parse_context`` one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from disagg_engine import shapes
 from disagg_engine.protocol import DisaggGenerateRequest
 from disagg_engine.vllm_compat import (
     NATIVE_DERENDER,
+    STOCK_STREAMING_DERENDER,
     ChatCompletionResponse,
     ErrorResponse,
     OpenAIServingChat,
@@ -40,9 +43,17 @@ class DisaggServingTokens(ServingTokens):
             return await super().serve_tokens(request, raw_request)  # vLLM's checks name the mode
         if (error := self._check_derender(request)) is not None:
             return error
-        if NATIVE_DERENDER and not request.stream and request.chat_request is None:
-            return await super().serve_tokens(request, raw_request)  # vLLM 0.33's own batch derender
+        if self._stock_derender(request):
+            return await super().serve_tokens(request, raw_request)  # vLLM's own derender
         return await super().serve_tokens(request.for_extension(), raw_request)
+
+    @staticmethod
+    def _stock_derender(request: DisaggGenerateRequest) -> bool:
+        """vLLM derenders this request itself: no ``chat_request``, and batch from 0.33 on or
+        streamed from 0.34 on."""
+        if request.chat_request is not None:
+            return False
+        return STOCK_STREAMING_DERENDER if request.stream else NATIVE_DERENDER
 
     def _check_derender(self, request: DisaggGenerateRequest) -> ErrorResponse | None:
         if self.chat is None:
@@ -88,17 +99,19 @@ class DisaggServingTokens(ServingTokens):
         assert isinstance(result, ChatCompletionResponse)
         return shapes.derender_response(result.model_dump(), request_id)
 
-    async def serve_tokens_stream_generator(self, request, result_generator, request_id, model_name, request_metadata):
+    async def serve_tokens_stream_generator(self, request, result_generator, request_id, model_name, request_metadata,
+                                            **kwargs):
+        # kwargs: what vLLM passes beside (0.34: `processors`, None for our `text` copy); forwarded as is.
         if not request._derender:
             async for event in super().serve_tokens_stream_generator(
-                    request, result_generator, request_id, model_name, request_metadata):
+                    request, result_generator, request_id, model_name, request_metadata, **kwargs):
                 yield event
             return
-        ctx, kwargs = self._chat_setup(request)
+        ctx, template_kwargs = self._chat_setup(request)
         chat = chat_with_history(self.chat, request.history_tool_calls())
         chat_stream = chat.chat_completion_stream_generator(
             ctx, self._tracked(result_generator), request_id, model_name, [],
-            self.chat.renderer.tokenizer, request_metadata, chat_template_kwargs=kwargs,
+            self.chat.renderer.tokenizer, request_metadata, chat_template_kwargs=template_kwargs,
         )
         async for event in chat_stream:
             payload = event[len("data: "):].strip() if event.startswith("data: ") else ""

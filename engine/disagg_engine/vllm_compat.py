@@ -1,14 +1,16 @@
 """Every vLLM import and internal the engine extension relies on, in one place.
 
-Supported: vLLM 0.32.0 and 0.33.0, chosen at run time from the running vLLM. The endpoint-plugin
-interface, ``ServingTokens`` generator hooks and ``OpenAIServingChat`` generator signatures are
-common to both; each difference has its own section below. When upgrading vLLM, re-check the
-names in this module and nothing else.
+Supported: the releases of ``disagg_sidecar.vllm_releases`` (one table for the operator, the sidecar
+and this extension), chosen at run time from the running vLLM. The endpoint-plugin interface,
+``ServingTokens`` generator hooks and ``OpenAIServingChat`` generator signatures are common to all;
+each difference has its own section below. When upgrading vLLM, re-check the names in this module
+and the table, and nothing else.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Literal
 
 import vllm
@@ -33,6 +35,8 @@ from vllm.entrypoints.serve.utils.api_utils import (  # noqa: F401
     validate_json_request,
     with_cancellation,
 )
+
+from disagg_sidecar import vllm_releases
 
 
 def vllm_version() -> str:
@@ -90,15 +94,30 @@ def configured_parsers(args) -> dict[str, str | None]:
     }
 
 
+# The running vLLM's row of the release table (``UNTESTED`` outside it: nothing assumed).
+RELEASE: vllm_releases.Release = vllm_releases.release(vllm_version())
+
+
 # --- vLLM 0.33: GenerateRequest carries `parse_context` and serves batch `derender` itself -------
 # 0.33's `ServingTokens.serve_tokens` answers batch `output_mode="derender"` with `parse_context`
 # (its `OnlineDerenderer`), refuses `derender` with `stream=true` before any generator runs, and
 # passes `derender_request=` to `serve_tokens_full_generator`. 0.32 has none of this.
 NATIVE_DERENDER: bool = hasattr(_tito_protocol, "ParseContext")
 # Derender sessions (disagg_engine.sessions) are built from vLLM's chat serving and output
-# processing internals, tested on 0.32 and 0.33; elsewhere the render tier offers none, and the
-# sidecar keeps the stateless streaming derender.
-DERENDER_SESSIONS: bool = vllm_version().startswith(("0.32.", "0.33."))
+# processing internals, tested on the releases whose row says so; elsewhere the render tier offers
+# none, and the sidecar keeps the stateless streaming derender.
+DERENDER_SESSIONS: bool = RELEASE.derender_sessions
+
+
+# --- vLLM 0.34: stock streaming `derender`, and `processors=` on the stream generator ------------
+# 0.34's `serve_tokens` also streams `output_mode="derender"` with `parse_context` itself: it builds
+# one `ChatStreamProcessor` per choice (`OnlineDerenderer.make_stream_processor`, coupled chat's own)
+# and hands them to `serve_tokens_stream_generator(..., processors=...)`, which asserts they are
+# there exactly in derender mode. The extension then leaves every `parse_context` derender to vLLM and
+# keeps only what 0.34 lacks (the `chat_request` form); an override of the stream generator takes the
+# keyword (and any later one) and forwards what it does not own. Detected from the code (the keyword),
+# so an untested newer release that has it is not overridden either; the table says the same of 0.34.
+STOCK_STREAMING_DERENDER: bool = "processors" in inspect.signature(ServingTokens.serve_tokens_stream_generator).parameters
 
 
 class _ParseContext032(BaseModel):

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from disagg_operator import rules
 from disagg_operator.derender import Strategy
+from disagg_sidecar import vllm_releases
 from disagg_operator.spec import (
     GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, DisaggregatedModelSpec,
 )
@@ -161,7 +162,8 @@ def status_schema() -> dict[str, Any]:
                 "properties": {"strategy": {
                     "type": "string", "enum": list(get_args(Strategy)),
                     "description": "inline: decode derenders its own stream (engine.extension); session: the "
-                    "render tier keeps each stream's parser state (engine.renderExtension, vLLM 0.32, 0.33); "
+                    "render tier keeps each stream's parser state (engine.renderExtension, "
+                    f"{vllm_releases.with_feature('derender_sessions')}); "
                     "stateless: each chunk is derendered with the state the sidecar carries.",
                 }},
             },

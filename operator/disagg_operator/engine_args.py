@@ -7,10 +7,11 @@ Everything here is pure string building; which tier gets which group of flags is
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
+
+from disagg_sidecar import vllm_releases
 
 
 class Launcher(StrEnum):
@@ -201,29 +202,24 @@ def server_args(model_arg: str, vllm_args: Sequence[str], *, port: int, revision
     return [model_arg, *revision_flags(revision), *listen_flags(port, host), *vllm_args]
 
 
-def parse_version(version: str) -> tuple[int, int, int]:
-    """MAJOR.MINOR.PATCH of a version string such as 0.33.0, 0.33.0rc1 or 0.32.0+cpu."""
-    major, minor, patch = version.split(".")[:3]
-    leading = re.match(r"\d*", patch)
-    return int(major), int(minor), int(leading.group() or 0) if leading else 0
-
-
 def vllm_features(version: str) -> dict[str, bool]:
-    """What the sidecar may rely on, by vLLM version."""
-    at_least_0_33 = parse_version(version) >= (0, 33, 0)
+    """What the sidecar may rely on of stock vLLM, by version (``disagg_sidecar.vllm_releases``: a
+    version outside its table assumes nothing)."""
+    row = vllm_releases.release(version)
     return {
-        "generate_output_mode_derender": at_least_0_33,  # /inference/v1/generate output_mode="derender"
-        "render_parse_context": at_least_0_33,
+        "generate_output_mode_derender": row.stock_batch_derender,  # /inference/v1/generate output_mode="derender"
+        "render_parse_context": row.render_parse_context,
         # Batch /derender answers with the coupled endpoint's finish_reason for the same tokens
         # (0.32's says "stop" where coupled says "tool_calls", and the reverse after a length cut).
-        "derender_finish_reason": at_least_0_33,
+        "derender_finish_reason": row.derender_finish_reason,
     }
 
 
 def derender_sessions(version: str) -> bool:
-    """A render tier of this vLLM version with the engine extension runs derender sessions: 0.32 and
-    0.33 (engine/disagg_engine/vllm_compat.py ``DERENDER_SESSIONS`` decides the same from the running vLLM)."""
-    return parse_version(version)[:2] in ((0, 32), (0, 33))
+    """A render tier of this vLLM version with the engine extension runs derender sessions (the table's
+    ``derender_sessions``; engine/disagg_engine/vllm_compat.py ``DERENDER_SESSIONS`` reads the same row
+    for the running vLLM)."""
+    return vllm_releases.release(version).derender_sessions
 
 
 def canonical_json(value: Any) -> str:

@@ -30,7 +30,7 @@ from disagg_operator.apply import ApplyError, KubeApi
 from disagg_operator.kinds import WATCHED_KINDS
 from disagg_operator.reconcile import Outcome, converge, model_status, restore_child
 from disagg_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from disagg_operator.status import status_patch
+from disagg_operator.status import UNTESTED_VERSION, status_patch
 
 CHILD_FILTER = {names.MANAGED_BY: names.OPERATOR, names.INSTANCE: kopf.PRESENT}
 RETRY_SECONDS = 10
@@ -89,6 +89,8 @@ def _report(doc: Mapping[str, Any], outcome: Outcome, reason: str) -> None:
     ref = _reference(doc)
     if outcome.invalid:
         kopf.warn(ref, reason="InvalidSpec", message=outcome.invalid)
+    if outcome.untested_version:
+        kopf.warn(ref, reason=UNTESTED_VERSION, message=outcome.untested_version)
     if outcome.applied:
         kopf.info(ref, reason=reason, message=", ".join(outcome.applied))
     if outcome.pruned:

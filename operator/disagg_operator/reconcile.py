@@ -21,7 +21,7 @@ from disagg_operator.objects.secrets import with_new_key
 from disagg_operator.plan import Plan, build_plan
 from disagg_operator.manifest import parse_manifest
 from disagg_operator.spec import API_VERSION, KIND, SpecError
-from disagg_operator.status import compute_status, invalid_status
+from disagg_operator.status import compute_status, invalid_status, version_condition
 
 
 class Api(Protocol):
@@ -41,6 +41,7 @@ class Outcome:
     invalid: str | None = None  # the spec cannot be served (nothing was applied) ...
     invalid_status: dict[str, Any] | None = None  # ... and the status that says so
     unavailable: list[str] = field(default_factory=list)  # CRDs the spec needs that the cluster lacks
+    untested_version: str | None = None  # why the spec's vLLM version is outside the release table (an Event)
 
 
 def _label(obj: Mapping[str, Any]) -> str:
@@ -87,7 +88,7 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
     """Make all children of ``doc`` (a DisaggregatedModel as stored) match its spec."""
     meta = doc["metadata"]
     try:
-        _, desired = _desired(doc)
+        plan, desired = _desired(doc)
     except SpecError as exc:
         message = "; ".join(exc.problems)
         generation = int(meta.get("generation") or 0)
@@ -95,7 +96,8 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
             message, generation=generation, previous=doc.get("status"), now=now))
 
     current = {k: v for k, v in live.items() if drift.owned_by(v, meta["uid"])}
-    outcome = Outcome()
+    version = version_condition(plan.spec.engine.vllm_version)
+    outcome = Outcome(untested_version=None if version.status else version.message)
     optional = {BY_TYPE[(o["apiVersion"], o["kind"])] for o in desired} - {k for k in BY_TYPE.values() if not k.optional}
     missing = {kind for kind in optional if not api.serves(kind)}
     outcome.unavailable = sorted(kind.crd for kind in missing)

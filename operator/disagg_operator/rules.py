@@ -21,13 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import engine_args
+from disagg_sidecar import vllm_releases
 from disagg_sidecar.connectors import DEFAULT as DEFAULT_CONNECTOR, REGISTRY as KV_CONNECTORS
 
 ROOT = "DisaggregatedModel"
 
 # Oldest vLLM whose scale-out API (launch render, --tokens-only, --enable-scale-out gating,
-# --renderer-num-workers) matches what the plan emits.
-MIN_VLLM = (0, 32)
+# --renderer-num-workers) matches what the plan emits: the oldest release in the table. Newer versions
+# outside the table are accepted and reported (status condition VersionSupported, ``status.py``).
+MIN_VLLM = vllm_releases.minor_tuple(vllm_releases.OLDEST.name)
 
 MAX_NAME_LENGTH = 54  # "<name>-derender" must still be a 63-character DNS label
 

@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from disagg_operator import rules
+from disagg_sidecar import vllm_releases
 from disagg_sidecar.connectors import DEFAULT as DEFAULT_CONNECTOR
 
 GROUP = "disagg.dev"
@@ -133,16 +134,18 @@ class EngineSpec(WireModel):
     cpu_image: ShortString = Field(DEFAULT_CPU_IMAGE, description="Image for the render and derender tiers "
                                    "(default: Disagg's, vLLM's CPU image with the disagg package).")
     vllm_version: Annotated[str, StringConstraints(max_length=64)] = Field(
-        DEFAULT_VLLM_VERSION, description="vLLM version in the images; decides which features and flags are used."
+        DEFAULT_VLLM_VERSION, description=f"vLLM version in the images; decides which features and flags are used. "
+        f"Supported: {vllm_releases.names()}; another version (from {vllm_releases.OLDEST.name} on) is deployed "
+        "without derender sessions or assumptions about stock vLLM, and status condition VersionSupported says so."
     )
     extension: bool = Field(
         False, description="Enable Disagg's vLLM endpoint plugin on decode (the GPU image must contain the disagg package): "
         "decode derenders its own stream.")
     render_extension: bool = Field(
         True, description="Enable it on the render and derender pools where cpuImage contains the disagg package (the "
-        "default image does; a stock vllm/vllm-openai[-cpu] image does not, and runs without it): they keep a "
-        "stream's parser state in a derender session. Without it, streams through a stock decode are "
-        "derendered per chunk (status.derender.strategy: stateless).")
+        "default image does; a stock vllm/vllm-openai[-cpu] image does not, and runs without it): on "
+        f"{vllm_releases.with_feature('derender_sessions')} they keep a stream's parser state in a derender session. "
+        "Without it, streams through a stock decode are derendered per chunk (status.derender.strategy: stateless).")
     port: int = Field(8200, description="HTTP port of every vLLM server.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         None, description="Pull policy of every container (vLLM and sidecar); the cluster default when unset."

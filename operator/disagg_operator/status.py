@@ -16,6 +16,8 @@ Degraded           True when a pool's rollout failed (ProgressDeadlineExceeded, 
                    spec cannot be served (InvalidSpec). Else AsExpected.
 InferencePoolReady Only with spec.router.inferencePool.enabled: True when the InferencePool is applied;
                    False with reason CRDNotInstalled when the cluster lacks its CRD.
+VersionSupported   True (Supported) when engine.vllmVersion is a release in ``disagg_sidecar.vllm_releases``;
+                   False (UntestedVersion) otherwise: the model is served the conservative way. Not part of Ready.
 Ready              True when every pool condition (and InferencePoolReady) is True and nothing is Degraded.
 =================  ===========================================================================
 
@@ -33,13 +35,15 @@ from disagg_operator.kinds import INFERENCE_POOL
 from disagg_operator.names import Role
 from disagg_operator.plan import Plan
 from disagg_operator.pool_plan import PoolPlan
+from disagg_sidecar import vllm_releases
 
 POOL_CONDITIONS: Mapping[Role, str] = {
     Role.PREFILL: "PrefillReady", Role.DECODE: "DecodeReady", Role.RENDER: "RenderReady",
     Role.DERENDER: "DerenderReady",
 }
 CONDITION_ORDER = ("Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "InferencePoolReady",
-                   "ConfigConsistent", "Progressing", "Degraded")
+                   "ConfigConsistent", "Progressing", "Degraded", "VersionSupported")
+UNTESTED_VERSION = "UntestedVersion"  # the condition's reason, and the Event's
 INFERENCE_POOL_CRD = INFERENCE_POOL.crd
 
 
@@ -175,7 +179,15 @@ def conditions_for(plan: Plan, states: Sequence[PoolState], unavailable: Sequenc
         how = ("prefill and decode disaggregated" if plan.disaggregated
                else "decode prefills locally (pools.prefill.replicas is 0)")
         ready = Condition("Ready", True, "Ready", f"serving at {plan.endpoint}; {how}")
-    return [ready, *conds, consistent, progressing, degraded]
+    return [ready, *conds, consistent, progressing, degraded, version_condition(plan.spec.engine.vllm_version)]
+
+
+def version_condition(version: str) -> Condition:
+    """Whether the model's vLLM is a release in the table; outside it the plan assumes nothing."""
+    row = vllm_releases.known(version)
+    if row is None:
+        return Condition("VersionSupported", False, UNTESTED_VERSION, vllm_releases.untested_message(version))
+    return Condition("VersionSupported", True, "Supported", f"vLLM {row.name}: {row.label}")
 
 
 def invalid_conditions(message: str) -> list[Condition]:

@@ -18,7 +18,7 @@ from disagg_sidecar.edge import auth
 from disagg_sidecar.plan import capabilities
 from disagg_sidecar.edge import handlers
 from disagg_sidecar.upstream import tls
-from disagg_sidecar import wire
+from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.upstream.affinity import RecentShare
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import get_connector
@@ -155,6 +155,13 @@ async def _probe(app: web.Application) -> None:
         if served is not None and served != state.served_capabilities:
             log.info("decode engine capabilities: %s", served)
             state.served_capabilities = served
+    if not decode_ok:
+        state.decode_version = None  # a restarted engine may run another release
+    elif state.decode_version is None:
+        state.decode_version = await up.decode_version()
+        if state.decode_version is not None:
+            log.info("decode engine runs vLLM %s (%s)", state.decode_version,
+                     vllm_releases.release(state.decode_version).label)
     if decode_ok and state.model_name() is None:
         try:
             status, body = await up.get_json(up.decode_url, wire.MODELS)
@@ -200,7 +207,8 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     kv = get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector else None
     app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv),
-                       Decoder(config, upstream, app[METRICS]), state.capabilities, state.model_name)
+                       Decoder(config, upstream, app[METRICS]), state.capabilities, state.model_name,
+                       state.decode_release)
     await _probe(app)
     prober = asyncio.create_task(_probe_forever(app))
     try:

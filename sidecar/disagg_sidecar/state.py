@@ -15,6 +15,7 @@ from typing import Any
 
 from disagg_sidecar.budget import MemoryBudget
 from disagg_sidecar.config import Capabilities, SidecarConfig
+from disagg_sidecar import vllm_releases
 from disagg_sidecar.plan import capabilities
 
 UNHEALTHY_AFTER = 2  # consecutive failed probes
@@ -37,6 +38,7 @@ class SidecarState:
     config: SidecarConfig
     served_capabilities: dict[str, Any] | str | None = None  # see capabilities.effective
     served_model: str | None = None
+    decode_version: str | None = None  # what the decode engine's GET /version answered (None: not yet)
     healthy: dict[str, bool] = field(default_factory=dict)  # tier -> reachable
     _failures: dict[str, int] = field(default_factory=dict)
     draining: bool = False
@@ -69,7 +71,12 @@ class SidecarState:
         return suspect or not self.decode_serving
 
     def capabilities(self) -> Capabilities:
-        return capabilities.current(self.config, self.served_capabilities)
+        return capabilities.current(self.config, self.served_capabilities, self.decode_release())
+
+    def decode_release(self) -> vllm_releases.Release | None:
+        """The decode engine's row of the release table, from the version the engine itself reports
+        (``UNTESTED`` outside the table: nothing assumed); None until it reported one."""
+        return None if self.decode_version is None else vllm_releases.release(self.decode_version)
 
     def model_name(self) -> str | None:
         return self.config.served_model_name or self.served_model

@@ -15,6 +15,7 @@ COMPLETIONS_DERENDER: Final = "/v1/completions/derender"
 GENERATE: Final = "/inference/v1/generate"
 ABORT: Final = "/inference/v1/abort_requests"
 CAPABILITIES: Final = "/disagg/v1/capabilities"
+VERSION: Final = "/version"  # every vLLM server's {"version": ...}
 
 # The engine extension's vLLM plugin name: in VLLM_PLUGINS, pyproject's `vllm.endpoint_plugins`
 # entry point, and the `extension` its capabilities report.

@@ -120,6 +120,12 @@ def test_capabilities_describe_the_server(lane_set, request):
     lane = request.node.callspec.params["lane_set"]
     assert re.fullmatch(re.escape(lane) + r"\.\d+.*", caps["vllm_version"]), caps
     assert caps["vllm_version"] == requests.get(lane_set.url("coupled") + "/version", timeout=TIMEOUT).json()["version"]
+    # What that vLLM does without the extension, from the release table: 0.33's generate derenders a
+    # batch itself, neither lane streams derender (0.34 does), both carry the window as prev_tokens.
+    assert caps["vllm_release"] == lane
+    assert caps["vllm_offers"]["stock_batch_derender"] is (lane == "0.33")
+    assert caps["vllm_offers"]["stock_streaming_derender"] is False
+    assert caps["stream_state_key"] == "prev_tokens"
     # A stock vLLM server (no extension) does not serve it: the sidecar must fall back.
     assert requests.get(lane_set.url("coupled") + "/disagg/v1/capabilities", timeout=TIMEOUT).status_code == 404
 

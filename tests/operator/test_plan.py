@@ -280,8 +280,10 @@ def test_the_issue_example_is_what_the_issue_asks_for() -> None:
     assert flags(argv(plan, Role.RENDER))["--tool-call-parser"] == "hermes"
 
 
+# A version outside the release table (0.35, 1.0) assumes nothing of stock vLLM.
 @pytest.mark.parametrize(("version", "derender_mode"), [("0.32.0", False), ("0.32.0+cpu", False), ("0.33.0rc1", True),
-                                                        ("0.33.0", True), ("1.0.0", True)])
+                                                        ("0.33.0", True), ("0.34.1", True), ("0.35.0", False),
+                                                        ("1.0.0", False)])
 def test_vllm_version_decides_the_features_the_sidecar_may_use(version: str, derender_mode: bool) -> None:
     plan = plan_of(merged(full_spec(), {"engine": {"vllmVersion": version}}))
     features = sidecar_file(plan)["engine"]["features"]

@@ -122,3 +122,11 @@ def test_borderline_values(name: str, patch: dict, valid: bool) -> None:
     else:
         with pytest.raises(SpecError):
             parse_manifest(doc)
+
+
+def test_the_default_vllm_version_is_the_release_the_table_calls_the_default() -> None:
+    from disagg_operator.spec import DEFAULT_VLLM_VERSION
+    from disagg_sidecar import vllm_releases
+
+    defaults = [r.name for r in vllm_releases.RELEASES if "default" in r.label]
+    assert defaults == [vllm_releases.release_name(DEFAULT_VLLM_VERSION)]

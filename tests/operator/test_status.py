@@ -10,6 +10,7 @@ import pytest
 from disagg_operator import names
 from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, Role
+from disagg_operator.reconcile import converge
 from disagg_operator.status import compute_status, invalid_status, status_patch
 from tests.operator.cases import merged
 from tests.operator.builders import example_doc, plan_of
@@ -55,7 +56,7 @@ def test_all_pools_ready() -> None:
         "Ready": ("True", "Ready"), "PrefillReady": ("True", "Ready"), "DecodeReady": ("True", "Ready"),
         "RenderReady": ("True", "Ready"), "DerenderReady": ("True", "SharedWithRender"),
         "ConfigConsistent": ("True", "Consistent"), "Progressing": ("False", "Stable"),
-        "Degraded": ("False", "AsExpected"),
+        "Degraded": ("False", "AsExpected"), "VersionSupported": ("True", "Supported"),
     }
     assert [c["type"] for c in status["conditions"]][0] == "Ready"
     assert all(c["observedGeneration"] == 4 and c["lastTransitionTime"] == T0 for c in status["conditions"])
@@ -181,3 +182,52 @@ def test_status_records_the_derender_strategy_and_a_change_of_it_is_a_patch(engi
     assert status["derender"] == {"strategy": strategy}
     before = compute_status(plan(), live_deployments(plan()), generation=2, previous=None, now=T0)
     assert status_patch(before, status).get("derender") == (None if strategy == "session" else {"strategy": strategy})
+
+
+@pytest.mark.parametrize(("version", "supported"), [("0.32.0", True), ("0.33.0", True), ("0.33.2", True),
+                                                   ("0.34.0", True), ("0.34.0rc1", True), ("0.35.0", False),
+                                                   ("1.0.0", False)])
+def test_a_version_outside_the_release_table_is_reported_not_refused(version: str, supported: bool) -> None:
+    p = plan_of(merged(example_doc()["spec"], {"engine": {"vllmVersion": version}}))
+    status = compute_status(p, live_deployments(p), generation=4, previous=None, now=T0)
+    by_type = {c["type"]: c for c in status["conditions"]}
+    version_cond = by_type["VersionSupported"]
+    assert (version_cond["status"], version_cond["reason"]) == (("True", "Supported") if supported
+                                                                 else ("False", "UntestedVersion"))
+    if not supported:
+        assert version in version_cond["message"] and "0.34" in version_cond["message"]
+        assert status["derender"]["strategy"] == "stateless"  # no derender sessions assumed
+    assert by_type["Ready"]["status"] == "True"  # served all the same
+
+
+class _ApplyingApi:
+    """Stands in for the API server: applies everything, serves every kind."""
+
+    def __init__(self) -> None:
+        self.applied: list[str] = []
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.applied.append(obj["kind"])
+        return {**obj, "metadata": {**obj["metadata"], "resourceVersion": "1"}}
+
+    def create_if_missing(self, obj: dict[str, Any]) -> bool:
+        return True
+
+    def delete(self, obj: dict[str, Any]) -> None:
+        raise AssertionError("nothing to prune")
+
+    def serves(self, kind: Any) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("version", "event"), [("0.35.0", True), ("0.34.0", False), ("0.33.0", False)])
+def test_converging_an_untested_version_deploys_it_and_says_why(version: str, event: bool) -> None:
+    spec = merged(example_doc()["spec"], {"engine": {"vllmVersion": version}})
+    model = {**example_doc(), "spec": spec,
+             "metadata": {"name": "m", "namespace": "ns", "uid": f"uid-{version}", "generation": 1}}
+    api = _ApplyingApi()
+    outcome = converge(model, {}, api, now=T0)
+    assert outcome.invalid is None and "Deployment" in api.applied
+    assert (outcome.untested_version is not None) is event  # handlers post it as an UntestedVersion Event
+    if event:
+        assert version in outcome.untested_version

@@ -277,7 +277,8 @@ class FakeEngine:
     delay: dict[str, float] = field(default_factory=dict)
 
     def posts(self) -> list[Recorded]:
-        return [c for c in self.calls if c.path not in ("/health", "/v1/models", "/disagg/v1/capabilities", "/metrics")]
+        return [c for c in self.calls if c.path not in ("/health", "/v1/models", "/disagg/v1/capabilities", "/metrics",
+                                                       "/version")]
 
 
 @contextmanager

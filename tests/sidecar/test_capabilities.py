@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from disagg_sidecar import vllm_releases
 from disagg_sidecar.plan import capabilities
 from disagg_sidecar.config import Capabilities, SidecarConfig
 
@@ -67,6 +68,17 @@ def test_stock_is_the_engines_version_without_the_extension() -> None:
     c = config(engine={"extension": True, "features": FEATURES_033})
     assert capabilities.stock(c.engine) == STOCK_033
     assert capabilities.current(c, "absent").streaming_output_modes == ("tokens", "text")
+
+
+@pytest.mark.parametrize(("reported", "batch_derender"), [
+    (None, True), ("0.33.1", True), ("0.34.0", True), ("0.32.0", False), ("0.35.0", False)])
+def test_stock_is_narrowed_by_the_release_the_engine_reports(reported: str | None, batch_derender: bool) -> None:
+    """The configuration says 0.33; the engine's own /version decides once it answered (an untested
+    release: nothing assumed)."""
+    c = config(engine={"features": FEATURES_033})
+    release = None if reported is None else vllm_releases.release(reported)
+    assert (capabilities.stock(c.engine, release) == STOCK_033) is batch_derender
+    assert ("derender" in capabilities.current(c, "absent", release).output_modes) is batch_derender
 
 
 def test_current_ignores_the_probe_unless_asked_to() -> None:

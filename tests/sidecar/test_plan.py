@@ -7,6 +7,7 @@ import pytest
 
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import SidecarError
+from disagg_sidecar import vllm_releases
 from disagg_sidecar.plan.decisions import (
     DecodePlan,
     answered_mode,
@@ -59,6 +60,15 @@ def test_parse_context_needs_render_to_send_one() -> None:
     assert fit_to_render(planned, {"parse_context": None}) == DecodePlan("tokens", "chat")  # vLLM 0.32 render
     planned = DecodePlan("derender", "chat", "chat_request")
     assert fit_to_render(planned, {}) == planned
+
+
+def test_parse_context_must_be_one_the_decode_release_honours() -> None:
+    planned = DecodePlan("derender", "chat", "parse_context")
+    ids = {"parse_context": {"tools": None, "return_tokens_as_token_ids": True}}
+    assert fit_to_render(planned, ids, vllm_releases.release("0.34.0")) == planned
+    assert fit_to_render(planned, ids, vllm_releases.release("0.33.0")) == DecodePlan("tokens", "chat")
+    assert fit_to_render(planned, ids) == planned  # the engine has not said its version: the configured plan
+    assert fit_to_render(planned, {"parse_context": {"tools": None}}, vllm_releases.release("0.33.0")) == planned
 
 
 def test_chained_means_tokens_and_a_chain() -> None:

@@ -102,6 +102,27 @@ def test_chat_from_inline_generate() -> None:
     assert text["choices"][0]["message"]["content"] == "plain" and text["choices"][0]["message"]["tool_calls"] == []
 
 
+@pytest.mark.parametrize("omits_none", [False, True])
+def test_a_release_that_omits_none_fields_gets_them_omitted(omits_none: bool) -> None:
+    """vLLM 0.34's coupled server leaves out message.annotations and usage.prompt_tokens_details when
+    None; 0.32/0.33's write null. Set values stay either way."""
+    shape = shapes.Shape(**{**SHAPE.__dict__, "omits_none": omits_none})
+    usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, "prompt_tokens_details": None}
+    text = shapes.chat_from_generate({"usage": usage, "choices": [
+        {"index": 0, "text": "plain", "finish_reason": "length"}]}, shape, [1])
+    message = text["choices"][0]["message"]
+    assert ("annotations" in message, "prompt_tokens_details" in text["usage"]) == (not omits_none, not omits_none)
+    assert message["refusal"] is None and text["usage"]["completion_tokens"] == 1  # other nulls and values stay
+    kept = shapes.chat_from_generate({"usage": {**usage, "prompt_tokens_details": {"cached_tokens": 0}},
+                                         "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                                             "role": "assistant", "content": "x", "annotations": [{"type": "u"}]}}]},
+                                        shape, [1])
+    assert kept["choices"][0]["message"]["annotations"] == [{"type": "u"}]
+    assert kept["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    chunk = shapes.usage_chunk("text_completion", shape, usage)
+    assert ("prompt_tokens_details" in chunk["usage"]) is not omits_none
+
+
 def test_chat_chunks() -> None:
     first: set[int] = set()
     derender_chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None, "reasoning": None},

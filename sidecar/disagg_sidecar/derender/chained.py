@@ -31,7 +31,8 @@ from typing import Any, Protocol
 from disagg_sidecar.plan import legs
 from disagg_sidecar.derender import shapes
 from disagg_sidecar import sse
-from disagg_sidecar import wire
+from disagg_sidecar import vllm_releases, wire
+from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.derender.fixes import completion_candidates, generate_for_derender, trim_top_logprobs
 
 # (tier, path, body, metrics kind) -> the tier's JSON answer; raises the sidecar's errors.
@@ -235,7 +236,7 @@ class ChatStream:
         entries = (logprobs or {}).get("content")
         context = list((state or {}).get("output_token_ids") or [])[-LOGPROB_CONTEXT:]
         derendered, resolved = await asyncio.gather(
-            self.tier("derender", self.leg.path, self.leg.stream(ready, state), "stream"),
+            stream_derender(self.tier, self.leg, ready, state),
             self._resolve(entries, context) if entries and not self.opts.hide_metadata else _none())
         out = derendered["chunk"]
         for c in out.get("choices") or []:
@@ -265,7 +266,7 @@ class CompletionStream:
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
         ready = generate_for_derender(completion_candidates(chunk, self.opts.completion_logprobs), self.opts.keep_stop)
-        data = await self.tier("derender", self.leg.path, self.leg.stream(ready, state), "stream")
+        data = await stream_derender(self.tier, self.leg, ready, state)
         out = data["chunk"]
         gen_choice = (chunk.get("choices") or [{}])[0]
         for c in out.get("choices") or []:
@@ -279,3 +280,21 @@ class CompletionStream:
 
 async def _none() -> None:
     return None
+
+
+# Calls that may reach another render pod of the same Service (a rolling upgrade).
+WINDOW_ATTEMPTS = 3
+
+
+async def stream_derender(tier: TierCall, leg: legs.DerenderLeg, ready: Mapping[str, Any], state: Any) -> Any:
+    """One streaming derender call whose answer read ``state``'s decode window: a render pod of a
+    release that keeps it under another key (``vllm_releases.window_lost``) answered without it, so
+    the call is made again (a new connection may reach another pod), and refused after that rather
+    than streaming text decoded without its window."""
+    body = leg.stream(ready, state)
+    for _ in range(WINDOW_ATTEMPTS):
+        data = await tier("derender", leg.path, body, "stream")
+        if not vllm_releases.window_lost(state, data.get("stream_state") if isinstance(data, dict) else None):
+            return data
+    raise SidecarError(502, "the derender tier answered from a vLLM release that reads this stream's state "
+                            "differently (render pods of two releases behind one Service)", type_="BadGatewayError")

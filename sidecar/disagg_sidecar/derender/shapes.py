@@ -36,13 +36,29 @@ class Shape:
     tool_choice: Any = None  # the chat request's, for the finish_reason rule
     derive_finish_reason: bool = True  # the derender tier's finish_reason is not coupled's (vLLM 0.32)
     index_offset: int = 0  # completions with several prompts: prompt i's choices start at i * n
+    # The decode engine's release leaves out message.annotations and usage.prompt_tokens_details when
+    # they are None (vLLM 0.34, ``vllm_releases``), as its coupled server does; older ones write null.
+    omits_none: bool = False
 
     def usage(self, usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
-        return fix_usage(usage, prompt_tokens=self.prompt_tokens, cached=self.cached_tokens)
+        return self.usage_shape(fix_usage(usage, prompt_tokens=self.prompt_tokens, cached=self.cached_tokens))
+
+    def usage_shape(self, usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        if usage is None:
+            return None
+        return _without_none(usage, _OMITTED_USAGE) if self.omits_none else dict(usage)
 
 
-def _message(message: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(message)
+_OMITTED_USAGE = ("prompt_tokens_details",)
+_OMITTED_MESSAGE = ("annotations",)
+
+
+def _without_none(obj: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if not (v is None and k in keys)}
+
+
+def _message(message: Mapping[str, Any], shape: Shape) -> dict[str, Any]:
+    out = _without_none(message, _OMITTED_MESSAGE) if shape.omits_none else dict(message)
     if out.get("tool_calls"):
         out["tool_calls"] = [{**tc, "id": tool_call_id(tc.get("id"))} for tc in out["tool_calls"]]
     return out
@@ -83,7 +99,7 @@ def chat_response(choices: list[dict[str, Any]], usage: Mapping[str, Any] | None
 
 
 def _chat_choice(c: Mapping[str, Any], message: Mapping[str, Any], shape: Shape, derive: bool) -> dict[str, Any]:
-    msg = _message(message)
+    msg = _message(message, shape)
     finish = c.get("finish_reason")
     return {
         "index": c.get("index", 0),
@@ -176,7 +192,7 @@ def completion_response(choices: list[dict[str, Any]], usage: Mapping[str, Any] 
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": None,
-        "usage": usage,
+        "usage": shape.usage_shape(usage),
         "kv_transfer_params": None,
     }
 
@@ -220,4 +236,4 @@ def completion_chunk(chunk: Mapping[str, Any], shape: Shape) -> dict[str, Any] |
 
 def usage_chunk(obj: str, shape: Shape, usage: Mapping[str, Any]) -> dict[str, Any]:
     return {"id": shape.id, "object": obj, "created": shape.created, "model": shape.model, "choices": [],
-            "usage": dict(usage)}
+            "usage": shape.usage_shape(usage)}

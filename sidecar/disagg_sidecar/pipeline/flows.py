@@ -29,7 +29,7 @@ from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar.plan import requestlimits
 from disagg_sidecar.derender import shapes
-from disagg_sidecar import wire
+from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.pipeline.clientstream import SSEWriter, run_stream
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.pipeline.context import Context
@@ -45,6 +45,7 @@ class Flows:
     decoder: Decoder
     capabilities: Callable[[], Capabilities]  # what the decode engine may be asked for now
     model_name: Callable[[], str | None]
+    decode_release: Callable[[], vllm_releases.Release | None] = lambda: None  # as the engine reported it
 
     def _shape(self, body: Mapping[str, Any], gen: Mapping[str, Any], prefilled: Prefilled, created: int,
                response_id: str, index_offset: int = 0) -> shapes.Shape:
@@ -54,6 +55,7 @@ class Flows:
             cached_tokens=prefilled.cached_tokens,
             return_token_ids=bool(body.get("return_token_ids")), tool_choice=body.get("tool_choice"),
             derive_finish_reason=not self.config.engine.features.derender_finish_reason, index_offset=index_offset,
+            omits_none=bool((release := self.decode_release()) and release.omits_none_shapes),
         )
 
     def _checked(self, gen: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +70,10 @@ class Flows:
         created = int(time.time())
         decode_plan = decisions.decode_plan("chat", body, self.capabilities())
         gen = self._checked(legs.rendered(await self.pools.call("render", wire.CHAT_RENDER, raw, ctx)))
-        decode_plan = decisions.fit_to_render(decode_plan, gen)
+        release = self.decode_release()
+        decode_plan = decisions.fit_to_render(decode_plan, gen, release)
+        if decode_plan.context == "parse_context" and release is not None:  # as that engine reads it
+            gen = {**gen, wire.PARSE_CONTEXT: vllm_releases.strip_parse_context(gen[wire.PARSE_CONTEXT], release)}
         prefilled = await self.pools.prefill(gen, ctx)
         kv = prefilled.kv
         shape = self._shape(body, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")

@@ -2,8 +2,9 @@
 derender context forms, whether a parser is configured.
 
 Three inputs decide it: the configuration (``decode.capabilities``, else derived from
-``engine``), what the engine's vLLM does without Disagg's extension (``stock``), and what the
-engine serves on ``GET /disagg/v1/capabilities`` (probed by ``app``, kept in ``state``). The
+``engine``), what the engine's vLLM does without Disagg's extension (``stock``: the configured
+features, narrowed by the release the engine reports at ``GET /version``), and what the engine
+serves on ``GET /disagg/v1/capabilities`` (probed by ``app``, kept in ``state``). The
 configuration can only be narrowed by what the engine serves, so it can force the chained path.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from disagg_sidecar import wire
+from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.config import Capabilities, Engine, SidecarConfig
 
 _ALL = wire.OUTPUT_MODES
@@ -25,10 +26,13 @@ STOCK_BATCH_DERENDER = Capabilities(output_modes=_ALL, derender_context_forms=("
 _GAUGES = ("live_derender_requests",)
 
 
-def stock(engine: Engine) -> Capabilities:
-    """What the decode engine's vLLM does without the extension."""
+def stock(engine: Engine, release: vllm_releases.Release | None = None) -> Capabilities:
+    """What the decode engine's vLLM does without the extension: what the configuration says of its
+    version, and, once the engine reported its own (``release``), only what that release does."""
     f = engine.features
-    return STOCK_BATCH_DERENDER if f.generate_output_mode_derender and f.render_parse_context else Capabilities()
+    configured = f.generate_output_mode_derender and f.render_parse_context
+    reported = release is None or release.stock_batch_derender and release.render_parse_context
+    return STOCK_BATCH_DERENDER if configured and reported else Capabilities()
 
 
 def configured(config: SidecarConfig) -> Capabilities:
@@ -74,7 +78,9 @@ def effective(configured: Capabilities, served: Mapping[str, Any] | str | None,
     })
 
 
-def current(config: SidecarConfig, served: Mapping[str, Any] | str | None) -> Capabilities:
-    """The capabilities for the next request, from the configuration and the last probe's answer
-    (ignored unless ``decode.probe_capabilities``)."""
-    return effective(configured(config), served if config.decode.probe_capabilities else None, stock(config.engine))
+def current(config: SidecarConfig, served: Mapping[str, Any] | str | None,
+            release: vllm_releases.Release | None = None) -> Capabilities:
+    """The capabilities for the next request, from the configuration and the last probe's answers
+    (ignored unless ``decode.probe_capabilities``; ``release``: the engine's reported one)."""
+    probed = config.decode.probe_capabilities
+    return effective(configured(config), served if probed else None, stock(config.engine, release if probed else None))

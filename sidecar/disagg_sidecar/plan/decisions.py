@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from disagg_sidecar import wire
+from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import bad_request
 
@@ -68,10 +68,16 @@ def retry_as_tokens(status: int, asked: wire.OutputMode, decode_plan: DecodePlan
     return status == 400 and asked != "tokens" and decode_plan.chain is not None
 
 
-def fit_to_render(decode_plan: DecodePlan, gen: Mapping[str, Any]) -> DecodePlan:
+def fit_to_render(decode_plan: DecodePlan, gen: Mapping[str, Any],
+                  decode_release: vllm_releases.Release | None = None) -> DecodePlan:
     """An inline derender planned with render's ``parse_context`` needs render to have sent one
-    (vLLM 0.33 does, 0.32 does not): otherwise chain."""
-    if decode_plan.context == "parse_context" and gen.get(wire.PARSE_CONTEXT) is None:
+    (vLLM 0.33 does, 0.32 does not) that the decode engine's release (when it reported one) can
+    honour (``vllm_releases.strip_parse_context``): otherwise chain."""
+    if decode_plan.context != "parse_context":
+        return decode_plan
+    context = gen.get(wire.PARSE_CONTEXT)
+    if context is None or (decode_release is not None and isinstance(context, dict)
+                           and vllm_releases.strip_parse_context(context, decode_release) is None):
         return DecodePlan("tokens", decode_plan.chain)
     return decode_plan
 

@@ -241,6 +241,16 @@ class Upstream:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 
+    async def decode_version(self) -> str | None:
+        """The decode engine's own ``GET /version`` (every vLLM server has it); None if it did not say."""
+        try:
+            async with self.session.get(self.decode_url + wire.VERSION, timeout=PROBE_TIMEOUT) as resp:
+                body = await resp.read()
+                version = json.loads(body).get("version") if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return None
+        return version if isinstance(version, str) and len(version) <= 64 else None
+
     async def get_json(self, url: str, path: str) -> tuple[int, bytes]:
         async with self.session.get(url + path, timeout=self.timeouts["render"]) as resp:
             return resp.status, await resp.read()
