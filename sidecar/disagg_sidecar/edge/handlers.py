@@ -125,6 +125,8 @@ async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse
             raw, body = await read_json(request, reservation)
             if api == "generate":
                 decisions.check_generate_request(body)
+            elif api in ("messages", "count_tokens"):
+                decisions.check_messages_request(body)
             else:
                 decisions.check_openai_request(api, body)
             requestlimits.check(api, body, state.config.limits)
@@ -155,6 +157,10 @@ async def _run(request: web.Request, api: decisions.Api, raw: bytes, body: Any, 
             return await flows.chat(request, raw, body, ctx)
         if api == "completions":
             return await flows.completions(request, raw, body, ctx)
+        if api == "messages":
+            return await flows.messages(request, raw, body, ctx)
+        if api == "count_tokens":
+            return await flows.count_tokens(raw, body, ctx)
         return await flows.generate(request, body, ctx)
     except (asyncio.CancelledError, ConnectionResetError):
         request.app[UPSTREAM].abort(ctx.inflight)  # the client is gone
@@ -171,6 +177,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "generate")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "messages")
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "count_tokens")
 
 
 async def models(request: web.Request) -> web.Response:
