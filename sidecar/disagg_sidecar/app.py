@@ -44,13 +44,6 @@ _API_BY_PATH = {wire.CHAT: "chat", wire.COMPLETIONS: "completions", wire.GENERAT
                 wire.MESSAGES: "messages", wire.MESSAGES_COUNT_TOKENS: "count_tokens"}
 
 
-def _in_api_shape(path: str, status: int, body: bytes) -> bytes:
-    """An error body in the shape of the API the path belongs to: Anthropic's object on the
-    Messages paths, OpenAI's everywhere else (``body`` is always OpenAI's)."""
-    if path == wire.MESSAGES or path.startswith(wire.MESSAGES + "/"):
-        return anthropic.error_from_bytes(body, status)
-    return body
-
 
 @web.middleware
 async def errors_and_access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -65,14 +58,14 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
         status = exc.status
         if exc.status >= 500:
             log.warning("%s %s -> %s: %s", request.method, request.path, exc.status, exc.message)
-        response = web.Response(body=_in_api_shape(request.path, exc.status, exc.body), status=exc.status,
+        response = web.Response(body=anthropic.in_api_shape(request.path, exc.status, exc.body), status=exc.status,
                                 content_type="application/json", headers=exc.headers)
         if not request.content.at_eof():
             response.force_close()  # the rest of the body is not read (aiohttp would linger and read it)
         return response
     except web.HTTPException as exc:  # aiohttp's own 404/405/413: same error shape as everything else
         status = exc.status
-        return web.Response(body=_in_api_shape(request.path, exc.status, error_bytes(exc.status, exc.reason)),
+        return web.Response(body=anthropic.in_api_shape(request.path, exc.status, error_bytes(exc.status, exc.reason)),
                             status=exc.status, content_type="application/json")
     except asyncio.CancelledError:
         status = 499  # client closed the request (nginx's convention)
@@ -83,7 +76,7 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         status = 500
-        return web.Response(body=_in_api_shape(request.path, 500, error_bytes(500, "Internal sidecar error")),
+        return web.Response(body=anthropic.in_api_shape(request.path, 500, error_bytes(500, "Internal sidecar error")),
                             status=500, content_type="application/json")
     finally:
         if (api := _API_BY_PATH.get(request.path)) is not None:

@@ -178,3 +178,82 @@ def test_the_matrix_covers_every_stop_reason_and_block(lane_set, forcer, lane_in
     assert seen_reasons == {"end_turn", "tool_use", "max_tokens", "stop_sequence"}
     assert seen_blocks == {"text", "thinking", "tool_use"}
 
+
+
+COUNT_CASES: dict[str, dict[str, Any]] = {
+    "plain": {"model": SERVED, "messages": [{"role": "user", "content": "How many tokens is this?"}]},
+    "tools_system_and_turns": {"model": SERVED, "system": "Be brief.", "tools": ANTHROPIC_TOOLS,
+                               "tool_choice": {"type": "any"}, "messages": TOOL_TURNS},
+    # vLLM's rule budget < max_tokens is not one count_tokens has (it has no max_tokens)
+    "thinking_enabled": {"model": SERVED, "thinking": {"type": "enabled", "budget_tokens": 2048},
+                         "messages": [{"role": "user", "content": "Think."}]},
+    "thinking_disabled": {"model": SERVED, "thinking": {"type": "disabled"},
+                          "messages": [{"role": "user", "content": "Do not think."}]},
+}
+
+
+@pytest.mark.parametrize("case", list(COUNT_CASES))
+def test_count_tokens_is_coupleds(lane_set, lane_inline_sidecar, case: str) -> None:
+    body = COUNT_CASES[case]
+    want = requests.post(lane_set.url("coupled") + "/v1/messages/count_tokens", json=body, timeout=60)
+    got = requests.post(lane_inline_sidecar.url + "/v1/messages/count_tokens", json=body, timeout=60)
+    assert want.status_code == 200, want.text
+    assert (got.status_code, got.json()) == (200, want.json())
+
+
+REFUSALS: dict[str, Callable[[Forcer], dict[str, Any]]] = {
+    "no_max_tokens": lambda f: {k: v for k, v in messages_body(f, "plain", False).items() if k != "max_tokens"},
+    "unknown_role": lambda f: {**messages_body(f, "plain", False), "messages": [{"role": "tool", "content": "x"}]},
+    "budget_not_below_max_tokens": lambda f: {**messages_body(f, "plain", False),
+                                              "thinking": {"type": "enabled", "budget_tokens": 4096}},
+    "tool_choice_without_name": lambda f: {**messages_body(f, "tool_call", False), "tool_choice": {"type": "tool"}},
+    "unknown_model": lambda f: {**messages_body(f, "plain", False), "model": "no-such-model"},
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_are_coupleds_in_anthropics_object(lane_set, forcer, lane_inline_sidecar, case: str) -> None:
+    """What coupled refuses is refused with its status and message; the sidecar's is always
+    Anthropic's object (coupled answers its request validation in OpenAI's shape)."""
+    body = REFUSALS[case](forcer)
+    want = requests.post(lane_set.url("coupled") + MESSAGES, json=body, timeout=60)
+    got = requests.post(lane_inline_sidecar.url + MESSAGES, json=body, timeout=60)
+    assert 400 <= want.status_code < 500, want.text
+    assert got.status_code == want.status_code, got.text
+    error = got.json()
+    assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
+    coupled = want.json()
+    coupled_message = coupled["error"]["message"]
+    assert error["error"]["message"] == coupled_message
+
+
+def test_the_anthropic_sdk(lane_set, forcer, lane_inline_sidecar, lane_chained_sidecar) -> None:
+    """The real client's ``messages.create`` and ``messages.stream`` read what coupled's give them."""
+    import anthropic
+
+    body = messages_body(forcer, "reasoning_tool_call", False)
+    kwargs = {"model": body["model"], "max_tokens": body["max_tokens"], "messages": body["messages"],
+              "tools": body["tools"], "extra_body": {"vllm_xargs": body["vllm_xargs"]}}
+
+    def create(url: str) -> Any:
+        return anthropic.Anthropic(base_url=url, api_key="unused").messages.create(**kwargs)
+
+    def stream(url: str) -> tuple[list[str], Any]:
+        with anthropic.Anthropic(base_url=url, api_key="unused").messages.stream(**kwargs) as s:
+            kinds = [event.type for event in s]
+            return kinds, s.get_final_message()
+
+    def content(message: Any) -> list[Any]:
+        return [(b.type, getattr(b, "text", None), getattr(b, "thinking", None), getattr(b, "name", None),
+                 getattr(b, "input", None)) for b in message.content]
+
+    want, (want_kinds, want_final) = create(lane_set.url("coupled")), stream(lane_set.url("coupled"))
+    assert [b.type for b in want.content] == ["thinking", "tool_use"]
+    for sidecar in (lane_inline_sidecar, lane_chained_sidecar):
+        got = create(sidecar.url)
+        assert content(got) == content(want) and got.stop_reason == want.stop_reason == "tool_use"
+        assert got.usage == want.usage
+        kinds, final = stream(sidecar.url)
+        assert content(final) == content(want_final) and final.stop_reason == "tool_use"
+        assert final.usage == want_final.usage
+        assert set(kinds) == set(want_kinds)

@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from disagg_sidecar import wire
+
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request hash: vLLM drops it
 StopReason = tuple[str | None, str | None]
 Event = tuple[str, dict[str, Any]]  # (SSE event name, payload)
@@ -311,6 +313,14 @@ def error_from_bytes(body: bytes, status: int) -> bytes:
     if not mapped["error"]["message"]:
         mapped["error"]["message"] = body.decode(errors="replace")[:2000]
     return json.dumps(mapped, ensure_ascii=False).encode()
+
+
+def in_api_shape(path: str, status: int, openai_body: bytes) -> bytes:
+    """An error body in the shape of the API ``path`` belongs to: Anthropic's object on the
+    Messages paths, OpenAI's (as given) everywhere else."""
+    if path == wire.MESSAGES or path.startswith(wire.MESSAGES + "/"):
+        return error_from_bytes(openai_body, status)
+    return openai_body
 
 
 def _default_type(status: int) -> str:
