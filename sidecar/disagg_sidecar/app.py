@@ -41,7 +41,7 @@ access_log = logging.getLogger("disagg_sidecar.access")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _API_BY_PATH = {wire.CHAT: "chat", wire.COMPLETIONS: "completions", wire.GENERATE: "generate",
-                wire.MESSAGES: "messages", wire.MESSAGES_COUNT_TOKENS: "count_tokens"}
+                wire.MESSAGES: "messages", wire.MESSAGES_COUNT_TOKENS: "count_tokens", wire.RESPONSES: "responses"}
 
 
 
@@ -231,6 +231,9 @@ def build_app(config: SidecarConfig) -> web.Application:
     app.router.add_post(wire.GENERATE, handlers.generate)
     app.router.add_post(wire.MESSAGES, handlers.messages)
     app.router.add_post(wire.MESSAGES_COUNT_TOKENS, handlers.count_tokens)
+    app.router.add_post(wire.RESPONSES, handlers.responses)
+    app.router.add_get(wire.RESPONSES + "/{response_id}", handlers.responses)
+    app.router.add_post(wire.RESPONSES + "/{response_id}/cancel", handlers.responses)
     app.router.add_get(wire.MODELS, handlers.models)
     app.router.add_get(wire.HEALTH, handlers.health)
     app.router.add_get(wire.LIVE, handlers.live)

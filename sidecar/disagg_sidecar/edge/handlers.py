@@ -187,6 +187,15 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "count_tokens")
 
 
+async def responses(request: web.Request) -> web.Response:
+    """The OpenAI Responses API (``POST /v1/responses``, ``GET /v1/responses/{id}``,
+    ``POST /v1/responses/{id}/cancel``) is refused in OpenAI's words before anything is read or
+    sent: its answer and stream are vLLM's Responses serving code (its own output items, events
+    and reasoning-token count), which the sidecar does not map yet (docs/protocol.md)."""
+    raise SidecarError(501, "The Responses API is not served through the disaggregated path yet: use "
+                            f"{wire.CHAT} or {wire.MESSAGES}", type_="NotImplementedError")
+
+
 async def models(request: web.Request) -> web.Response:
     """The decode engine's model list (the served name every tier shares)."""
     up = request.app[UPSTREAM]
