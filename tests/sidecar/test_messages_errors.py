@@ -183,3 +183,20 @@ def test_the_responses_api_is_refused_in_openais_words(engine: FakeEngine, metho
         assert len(engine.posts()) == before
         assert sidecar.metric("disagg_sidecar_requests_total", api="responses", code="501") == (method == "POST"
                                                                                                and path == "/v1/responses")
+
+
+def test_leg_seconds_name_the_api(two_engines: tuple[FakeEngine, FakeEngine]) -> None:
+    """``disagg_sidecar_leg_seconds{leg, api}``: each leg timed under the API its request came in on."""
+    tiers, decode = two_engines
+    with run_sidecar(_config(tiers, decode)) as sidecar:
+        _post(sidecar.url, VALID)  # decode (the fake) refuses it: both legs were still sent
+        _post(sidecar.url, VALID, wire.MESSAGES_COUNT_TOKENS)
+        requests.post(sidecar.url + "/v1/chat/completions", json={"model": "m", "messages": []}, timeout=30)
+
+        def count(leg: str, api: str) -> float:
+            return sidecar.metric("disagg_sidecar_leg_seconds_count", leg=leg, api=api)
+
+        assert (count("render", "messages"), count("decode", "messages")) == (1, 1)
+        assert (count("render", "count_tokens"), count("decode", "count_tokens")) == (1, 0)
+        assert count("render", "chat") == 1  # the fake render refuses chat: no decode leg
+        assert count("render", "none") == 0

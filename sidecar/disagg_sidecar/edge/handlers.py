@@ -29,7 +29,7 @@ from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
-from disagg_sidecar.metrics import CONTENT_TYPE
+from disagg_sidecar.metrics import CONTENT_TYPE, api_var
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse
     state = request.app[STATE]
     if state.full():  # refused before reading a byte of the body when no slot is free now
         raise _no_slot(request)
+    api_var.set(api)
     reservation = Reservation(state.budget)
     state.start_reading()
     try:
