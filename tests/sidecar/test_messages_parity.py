@@ -18,7 +18,7 @@ import requests
 
 from tests.harness.forced import OUTPUTS, Forcer
 from tests.harness.overlap import in_background
-from tests.sidecar.support import SERVED
+from tests.sidecar.support import SERVED, engine_metric, long_body, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.parity]
 
@@ -257,3 +257,26 @@ def test_the_anthropic_sdk(lane_set, forcer, lane_inline_sidecar, lane_chained_s
         assert content(final) == content(want_final) and final.stop_reason == "tool_use"
         assert final.usage == want_final.usage
         assert set(kinds) == set(want_kinds)
+
+
+RUNNING = "vllm:num_requests_running"
+
+
+@pytest.mark.parametrize("path", ["inline", "chained"])
+def test_a_client_that_goes_away_stops_the_engine(lane_set, forcer, request, path: str) -> None:
+    """Abort on disconnect, as for chat: the decode engine stops within a second."""
+    sidecar = request.getfixturevalue(f"lane_{path}_sidecar")
+    decode = lane_set.url("decode")
+    assert wait_for(lambda: engine_metric(decode, RUNNING) == 0, timeout=30), "decode busy before the test"
+    chat_body = long_body(forcer, 3000)
+    body = {**messages_body(forcer, "plain", True), "vllm_xargs": chat_body["vllm_xargs"],
+            "max_tokens": chat_body["max_tokens"]}
+    resp = requests.post(sidecar.url + MESSAGES, json=body, stream=True, timeout=120)
+    assert resp.status_code == 200
+    lines = resp.iter_lines()
+    assert [line for line in (next(lines) for _ in range(12)) if line.startswith(b"event: content_block_delta")]
+    assert engine_metric(decode, RUNNING) == 1
+    aborts = sidecar.metric("disagg_sidecar_aborts_total")
+    resp.close()
+    assert wait_for(lambda: engine_metric(decode, RUNNING) == 0, timeout=1.0), "decode still generating after 1 s"
+    assert wait_for(lambda: sidecar.metric("disagg_sidecar_aborts_total") == aborts + 1, timeout=5)
