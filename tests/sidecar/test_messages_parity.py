@@ -280,3 +280,13 @@ def test_a_client_that_goes_away_stops_the_engine(lane_set, forcer, request, pat
     resp.close()
     assert wait_for(lambda: engine_metric(decode, RUNNING) == 0, timeout=1.0), "decode still generating after 1 s"
     assert wait_for(lambda: sidecar.metric("disagg_sidecar_aborts_total") == aborts + 1, timeout=5)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+@pytest.mark.parametrize("case", ["reasoning_tool_call", "stop_sequence", "multi_turn_with_a_tool_result"])
+def test_messages_on_a_stock_decode_engine(lane_set, forcer, lane_stock_sidecar, case: str, stream: bool) -> None:
+    """A decode engine without the extension (the coupled server as decode): the sidecar chains."""
+    body = CASES[case](forcer, stream)
+    view = stream_view if stream else message_view
+    want = view(post(lane_set.url("coupled"), body, f"stock-{case}"))
+    assert view(post(lane_stock_sidecar.url, body, f"stock-{case}")) == want
