@@ -1,4 +1,5 @@
-"""Disagg sidecar: routes OpenAI / GenerateRequest traffic through render -> prefill -> decode -> derender.
+"""Disagg sidecar: routes OpenAI / Anthropic Messages / GenerateRequest traffic through render -> prefill ->
+decode -> derender.
 
 Layers, each importing only those below it (an import-linter contract in pyproject.toml):
 - ``commands`` (``disagg sidecar --config FILE``) > ``app`` (routes, middleware, background
@@ -12,7 +13,7 @@ Layers, each importing only those below it (an import-linter contract in pyproje
   ``context`` (per request) / ``failures`` (failed legs as the client sees them);
 - ``derender/``: ``chained`` (tokens answers made into the client's), ``sessions`` (derender
   sessions), ``stream`` (per-chunk chained derender, coalescing), ``shapes`` / ``usage`` /
-  ``fixes`` (the coupled response shapes);
+  ``fixes`` (the coupled response shapes), ``anthropic`` (the Messages API as vLLM maps it onto chat);
 - ``upstream/``: ``client`` (legs on the wire, retries, aborts), ``endpoints`` / ``affinity``
   (which endpoint), ``discovery`` / ``endpointslices`` / ``kubeapi`` (where they are), ``tls``,
   ``enginemetrics`` / ``exposition`` (the decode engine's ``/metrics``);

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import hdrs, web
 
+from disagg_sidecar.derender import anthropic
 from disagg_sidecar.edge import auth
 from disagg_sidecar.plan import capabilities
 from disagg_sidecar.edge import handlers
@@ -39,7 +40,9 @@ log = logging.getLogger("disagg_sidecar")
 access_log = logging.getLogger("disagg_sidecar.access")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_API_BY_PATH = {wire.CHAT: "chat", wire.COMPLETIONS: "completions", wire.GENERATE: "generate"}
+_API_BY_PATH = {wire.CHAT: "chat", wire.COMPLETIONS: "completions", wire.GENERATE: "generate",
+                wire.MESSAGES: "messages", wire.MESSAGES_COUNT_TOKENS: "count_tokens", wire.RESPONSES: "responses"}
+
 
 
 @web.middleware
@@ -55,14 +58,15 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
         status = exc.status
         if exc.status >= 500:
             log.warning("%s %s -> %s: %s", request.method, request.path, exc.status, exc.message)
-        response = web.Response(body=exc.body, status=exc.status, content_type="application/json",
-                                headers=exc.headers)
+        response = web.Response(body=anthropic.in_api_shape(request.path, exc.status, exc.body), status=exc.status,
+                                content_type="application/json", headers=exc.headers)
         if not request.content.at_eof():
             response.force_close()  # the rest of the body is not read (aiohttp would linger and read it)
         return response
     except web.HTTPException as exc:  # aiohttp's own 404/405/413: same error shape as everything else
         status = exc.status
-        return web.Response(body=error_bytes(exc.status, exc.reason), status=exc.status, content_type="application/json")
+        return web.Response(body=anthropic.in_api_shape(request.path, exc.status, error_bytes(exc.status, exc.reason)),
+                            status=exc.status, content_type="application/json")
     except asyncio.CancelledError:
         status = 499  # client closed the request (nginx's convention)
         raise
@@ -72,8 +76,8 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         status = 500
-        return web.Response(body=error_bytes(500, "Internal sidecar error"), status=500,
-                            content_type="application/json")
+        return web.Response(body=anthropic.in_api_shape(request.path, 500, error_bytes(500, "Internal sidecar error")),
+                            status=500, content_type="application/json")
     finally:
         if (api := _API_BY_PATH.get(request.path)) is not None:
             request.app[METRICS].requests.labels(api, str(status)).inc()
@@ -233,6 +237,11 @@ def build_app(config: SidecarConfig) -> web.Application:
     app.router.add_post(wire.CHAT, handlers.chat)
     app.router.add_post(wire.COMPLETIONS, handlers.completions)
     app.router.add_post(wire.GENERATE, handlers.generate)
+    app.router.add_post(wire.MESSAGES, handlers.messages)
+    app.router.add_post(wire.MESSAGES_COUNT_TOKENS, handlers.count_tokens)
+    app.router.add_post(wire.RESPONSES, handlers.responses)
+    app.router.add_get(wire.RESPONSES + "/{response_id}", handlers.responses)
+    app.router.add_post(wire.RESPONSES + "/{response_id}/cancel", handlers.responses)
     app.router.add_get(wire.MODELS, handlers.models)
     app.router.add_get(wire.HEALTH, handlers.health)
     app.router.add_get(wire.LIVE, handlers.live)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from prometheus_client import (
     GCCollector, PlatformCollector, ProcessCollector, CollectorRegistry, Counter, Gauge, Histogram, generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The client API a request came in on (``disagg_sidecar_leg_seconds{api}``): set by the handler, read
+# where its legs are timed, in the tasks the request's legs run in (they copy the context).
+api_var: ContextVar[str] = ContextVar("disagg_api", default="none")
 _LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -19,8 +24,8 @@ class Metrics:
         self.in_flight = Gauge(f"{ns}_requests_in_flight", "Client requests being served.", registry=r)
         self.rejected = Counter(f"{ns}_rejected_requests", "Requests refused before any leg, by reason.",
                                 ["reason"], registry=r)
-        self.leg_seconds = Histogram(f"{ns}_leg_seconds", "Leg latency (decode: to the last byte).",
-                                     ["leg"], buckets=_LEG_BUCKETS, registry=r)
+        self.leg_seconds = Histogram(f"{ns}_leg_seconds", "Leg latency (decode: to the last byte), by leg and client API.",
+                                     ["leg", "api"], buckets=_LEG_BUCKETS, registry=r)
         self.leg_errors = Counter(f"{ns}_leg_errors", "Failed leg attempts by leg and kind.", ["leg", "kind"], registry=r)
         self.retries = Counter(f"{ns}_leg_retries", "Leg attempts repeated on another endpoint.", ["leg"], registry=r)
         self.prefill = Counter(f"{ns}_prefill", "How the prompt was prefilled (remote, fallback, skipped, local).",

@@ -10,6 +10,8 @@ ContextForm = Literal["chat_request", "parse_context"]
 # vLLM scale-out paths.
 CHAT_RENDER: Final = "/v1/chat/completions/render"
 COMPLETIONS_RENDER: Final = "/v1/completions/render"
+MESSAGES_RENDER: Final = "/v1/messages/render"
+RESPONSES_RENDER: Final = "/v1/responses/render"
 CHAT_DERENDER: Final = "/v1/chat/completions/derender"
 COMPLETIONS_DERENDER: Final = "/v1/completions/derender"
 GENERATE: Final = "/inference/v1/generate"
@@ -24,6 +26,9 @@ ENGINE_EXTENSION: Final = "disagg"
 # Inbound (OpenAI) and operational paths.
 CHAT: Final = "/v1/chat/completions"
 COMPLETIONS: Final = "/v1/completions"
+MESSAGES: Final = "/v1/messages"  # Anthropic's Messages API: its errors are Anthropic's object
+MESSAGES_COUNT_TOKENS: Final = "/v1/messages/count_tokens"
+RESPONSES: Final = "/v1/responses"
 MODELS: Final = "/v1/models"
 HEALTH: Final = "/health"
 LIVE: Final = "/health/live"

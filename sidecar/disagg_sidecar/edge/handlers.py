@@ -29,7 +29,7 @@ from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
-from disagg_sidecar.metrics import CONTENT_TYPE
+from disagg_sidecar.metrics import CONTENT_TYPE, api_var
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse
     state = request.app[STATE]
     if state.full():  # refused before reading a byte of the body when no slot is free now
         raise _no_slot(request)
+    api_var.set(api)
     reservation = Reservation(state.budget)
     state.start_reading()
     try:
@@ -125,6 +126,8 @@ async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse
             raw, body = await read_json(request, reservation)
             if api == "generate":
                 decisions.check_generate_request(body)
+            elif api in ("messages", "count_tokens"):
+                decisions.check_messages_request(body)
             else:
                 decisions.check_openai_request(api, body)
             requestlimits.check(api, body, state.config.limits)
@@ -155,6 +158,10 @@ async def _run(request: web.Request, api: decisions.Api, raw: bytes, body: Any, 
             return await flows.chat(request, raw, body, ctx)
         if api == "completions":
             return await flows.completions(request, raw, body, ctx)
+        if api == "messages":
+            return await flows.messages(request, raw, body, ctx)
+        if api == "count_tokens":
+            return await flows.count_tokens(raw, body, ctx)
         return await flows.generate(request, body, ctx)
     except (asyncio.CancelledError, ConnectionResetError):
         request.app[UPSTREAM].abort(ctx.inflight)  # the client is gone
@@ -171,6 +178,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "generate")
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "messages")
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "count_tokens")
+
+
+async def responses(request: web.Request) -> web.Response:
+    """The OpenAI Responses API (``POST /v1/responses``, ``GET /v1/responses/{id}``,
+    ``POST /v1/responses/{id}/cancel``) is refused in OpenAI's words before anything is read or
+    sent: its answer and stream are vLLM's Responses serving code (its own output items, events
+    and reasoning-token count), which the sidecar does not map yet (docs/protocol.md)."""
+    raise SidecarError(501, "The Responses API is not served through the disaggregated path yet: use "
+                            f"{wire.CHAT} or {wire.MESSAGES}", type_="NotImplementedError")
 
 
 async def models(request: web.Request) -> web.Response:

@@ -54,9 +54,13 @@ class SSEWriter:
         await self.write(sse.DONE_EVENT)
 
 
-async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]]) -> web.StreamResponse:
-    """``run`` writing to ``writer``, then ``[DONE]``; a failure after the first byte is an SSE
-    error event (before it, the error is raised for an ordinary HTTP answer)."""
+async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]], *,
+                     end: Callable[[], Awaitable[None]] | None = None,
+                     fail: Callable[[int, str], Awaitable[None]] | None = None) -> web.StreamResponse:
+    """``run`` writing to ``writer``, then ``end`` (OpenAI's ``[DONE]``); a failure after the
+    first byte is ``fail``'s error event (OpenAI's by default; before the first byte, the error
+    is raised for an ordinary HTTP answer)."""
+    fail = fail or writer.fail
     try:
         await run()
     except (SidecarError, LegError) as exc:
@@ -64,7 +68,7 @@ async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]]) -> w
         if not writer.started:
             raise err from exc
         log.warning("stream failed after the first byte: %s", err.message)
-        await writer.fail(err.status, err.message)
+        await fail(err.status, err.message)
         return writer.response
     except (ConnectionResetError, asyncio.CancelledError):
         raise
@@ -72,7 +76,10 @@ async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]]) -> w
         if not writer.started:
             raise
         log.exception("stream failed after the first byte")
-        await writer.fail(500, "Internal sidecar error")
+        await fail(500, "Internal sidecar error")
         return writer.response
-    await writer.write(sse.DONE_EVENT)
+    if end is None:
+        await writer.write(sse.DONE_EVENT)
+    else:
+        await end()
     return writer.response

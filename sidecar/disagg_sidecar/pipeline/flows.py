@@ -23,12 +23,14 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg_sidecar.derender import anthropic
 from disagg_sidecar.derender import chained
 from disagg_sidecar.derender import fixes
 from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar.plan import requestlimits
 from disagg_sidecar.derender import shapes
+from disagg_sidecar import sse
 from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.pipeline.clientstream import SSEWriter, run_stream
 from disagg_sidecar.config import Capabilities, SidecarConfig
@@ -36,6 +38,31 @@ from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.pipeline.decoding import Decoder
 from disagg_sidecar.pipeline.poollegs import PoolLegs, Prefilled
 from disagg_sidecar.derender.usage import total_usage
+
+
+Send = Callable[[Mapping[str, Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class _ChatLegs:
+    """A chat-shaped request rendered and prefilled: what its decode leg needs."""
+
+    body: dict[str, Any]  # the chat request the parsers read
+    raw: bytes  # its bytes (the decode leg's and the derender tier's parser context)
+    gen: dict[str, Any]
+    decode_plan: decisions.DecodePlan
+    prefilled: Prefilled
+    shape: shapes.Shape
+
+
+class _Sending:
+    """The decode relay's writer, its chat chunks going to ``send`` (another API's mapping)."""
+
+    def __init__(self, writer: SSEWriter, send: Send):
+        self.writer, self._send = writer, send
+
+    async def send(self, obj: Mapping[str, Any]) -> None:
+        await self._send(obj)
 
 
 @dataclass
@@ -64,40 +91,90 @@ class Flows:
         requestlimits.check_logprobs(gen.get(wire.SAMPLING_PARAMS), self.config.limits.max_logprobs)
         return gen
 
-    # -- chat --------------------------------------------------------------------------------------
+    # -- chat ------------------------------------------------------------------------------------
 
-    async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
+    async def _chat_legs(self, render_path: str, render_raw: bytes, ctx: Context,
+                         as_chat: Callable[[dict[str, Any]], tuple[dict[str, Any], bytes]]) -> _ChatLegs:
+        """Render (``render_path``: chat's, or an API vLLM renders as chat) and prefill; ``as_chat``
+        gives the chat request (and its bytes) the decode and derender steps parse with."""
         created = int(time.time())
-        decode_plan = decisions.decode_plan("chat", body, self.capabilities())
-        gen = self._checked(legs.rendered(await self.pools.call("render", wire.CHAT_RENDER, raw, ctx)))
+        gen = self._checked(legs.rendered(await self.pools.call("render", render_path, render_raw, ctx)))
+        body, raw = as_chat(gen)
         release = self.decode_release()
-        decode_plan = decisions.fit_to_render(decode_plan, gen, release)
+        decode_plan = decisions.fit_to_render(decisions.decode_plan("chat", body, self.capabilities()), gen, release)
         if decode_plan.context == "parse_context" and release is not None:  # as that engine reads it
             gen = {**gen, wire.PARSE_CONTEXT: vllm_releases.strip_parse_context(gen[wire.PARSE_CONTEXT], release)}
         prefilled = await self.pools.prefill(gen, ctx)
-        kv = prefilled.kv
         shape = self._shape(body, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")
-        derender = legs.DerenderLeg("chat", raw, gen[wire.TOKEN_IDS])
-        opts = chained.Options.of(body, gen)
-        tier = self.pools.tier(ctx)
-        if not body.get("stream"):
-            out = await self.decoder.batch(gen, kv, decode_plan, ctx, raw)
-            if decisions.answered_mode(out) == "tokens":
-                result = await chained.chat_batch(out, derender, opts, shape, tier)
-            else:
-                result = shapes.chat_from_generate(out, shape, gen[wire.TOKEN_IDS])
-            return web.json_response(result, headers=ctx.response_headers(), dumps=_dumps)
-        writer = SSEWriter(request, ctx.response_headers())
+        return _ChatLegs(body, raw, gen, decode_plan, prefilled, shape)
+
+    async def _chat_batch(self, c: _ChatLegs, ctx: Context) -> dict[str, Any]:
+        out = await self.decoder.batch(c.gen, c.prefilled.kv, c.decode_plan, ctx, c.raw)
+        if decisions.answered_mode(out) == "tokens":
+            derender = legs.DerenderLeg("chat", c.raw, c.gen[wire.TOKEN_IDS])
+            return await chained.chat_batch(out, derender, chained.Options.of(c.body, c.gen), c.shape,
+                                            self.pools.tier(ctx))
+        return shapes.chat_from_generate(out, c.shape, c.gen[wire.TOKEN_IDS])
+
+    async def _chat_stream(self, c: _ChatLegs, ctx: Context, writer: SSEWriter, send: Send,
+                           send_usage: Send | None = None) -> None:
+        """The chat chunks, each to ``send``, the closing usage chunk to ``send_usage`` (the same by
+        default); ``writer`` only starts the client's stream."""
+        derender = legs.DerenderLeg("chat", c.raw, c.gen[wire.TOKEN_IDS])
+        stream_call = chained.ChatStream(derender, chained.Options.of(c.body, c.gen), self.pools.tier(ctx),
+                                         logprobs=bool(c.body.get("logprobs")))
         first: set[int] = set()
+        usage = await self.decoder.stream(c.gen, c.prefilled.kv, c.decode_plan, ctx, stream_call, c.raw,
+                                          _Sending(writer, send), lambda chunk: shapes.chat_chunk(chunk, c.shape, first=first))
+        if usage is not None:
+            await (send_usage or send)(shapes.usage_chunk("chat.completion.chunk", c.shape, c.shape.usage(usage)))
 
-        async def run() -> None:
-            stream_call = chained.ChatStream(derender, opts, tier, logprobs=bool(body.get("logprobs")))
-            usage = await self.decoder.stream(gen, kv, decode_plan, ctx, stream_call, raw, writer,
-                                              lambda chunk: shapes.chat_chunk(chunk, shape, first=first))
-            if usage is not None:
-                await writer.send(shapes.usage_chunk("chat.completion.chunk", shape, shape.usage(usage)))
+    async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
+        c = await self._chat_legs(wire.CHAT_RENDER, raw, ctx, lambda gen: (body, raw))
+        if not body.get("stream"):
+            return web.json_response(await self._chat_batch(c, ctx), headers=ctx.response_headers(), dumps=_dumps)
+        writer = SSEWriter(request, ctx.response_headers())
+        return await run_stream(writer, lambda: self._chat_stream(c, ctx, writer, writer.send))
 
-        return await run_stream(writer, run)
+    # -- Anthropic Messages: chat legs, vLLM's mapping around them (derender.anthropic) --------------
+
+    async def messages(self, request: web.Request, raw: bytes, body: dict[str, Any],
+                       ctx: Context) -> web.StreamResponse:
+        def as_chat(gen: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+            chat = anthropic.chat_request(body, disabled_thinking_effort=anthropic.chat_effort(gen))
+            return chat, sse.dumps(chat)
+
+        c = await self._chat_legs(wire.MESSAGES_RENDER, raw, ctx, as_chat)
+        if not body.get("stream"):
+            answer = anthropic.message(await self._chat_batch(c, ctx))
+            return web.json_response(answer, headers=ctx.response_headers(), dumps=_dumps)
+        writer = SSEWriter(request, ctx.response_headers())
+        converter = anthropic.MessageStream(c.shape.usage({"prompt_tokens": c.shape.prompt_tokens,
+                                                           "completion_tokens": 0}))
+
+        async def convert(chunk: Mapping[str, Any]) -> None:
+            for event in converter.feed(chunk):
+                await writer.write(anthropic.sse_event(event))
+
+        async def send(chunk: Mapping[str, Any]) -> None:
+            # Only the closing chunk has no choices in a coupled stream (vLLM's converter reads it
+            # as the end); a chunk that had only token ids for the client had its usage only.
+            if chunk.get("choices"):
+                await convert(chunk)
+
+        async def end() -> None:
+            await writer.write(b"".join(anthropic.sse_event(e) for e in converter.finish()))
+
+        async def fail(status: int, message: str) -> None:
+            await writer.write(anthropic.error_event(status, message))
+
+        return await run_stream(writer, lambda: self._chat_stream(c, ctx, writer, send, convert), end=end, fail=fail)
+
+    async def count_tokens(self, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
+        """The rendered prompt's length: the render tier only, as coupled renders it."""
+        gen = await self.pools.call("render", wire.MESSAGES_RENDER, sse.dumps(anthropic.count_render_body(body)), ctx)
+        return web.json_response(anthropic.count_tokens(len(gen[wire.TOKEN_IDS])), headers=ctx.response_headers(),
+                                 dumps=_dumps)
 
     # -- completions -------------------------------------------------------------------------------
 

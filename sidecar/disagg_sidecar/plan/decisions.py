@@ -21,7 +21,7 @@ from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import bad_request
 
-Api = Literal["chat", "completions", "generate"]
+Api = Literal["chat", "completions", "generate", "messages", "count_tokens"]
 Chain = Literal["chat", "completions"]
 
 
@@ -105,6 +105,15 @@ def check_openai_request(api: Api, body: Any) -> None:
     if api == "completions" and body.get("echo"):
         raise bad_request("echo is not supported on the disaggregated path (the engines never see the prompt text)",
                           "echo")
+
+
+def check_messages_request(body: Any) -> None:
+    """What the sidecar relies on of an Anthropic Messages request; render validates the rest
+    (vLLM's ``AnthropicMessagesRequest``)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
+        raise bad_request("stream must be a boolean", "stream")
 
 
 def check_generate_request(body: Any) -> None:

@@ -19,6 +19,8 @@ def prompt_count(prompt: Any) -> int:
 
 
 def choices(api: str, body: Mapping[str, Any]) -> Any:
+    if api in ("messages", "count_tokens", "responses"):
+        return None  # one answer: vLLM's models of these APIs have no ``n`` (a client's is ignored)
     if api == "generate":
         sampling = body.get(wire.SAMPLING_PARAMS)
         return sampling.get("n") if isinstance(sampling, Mapping) else None

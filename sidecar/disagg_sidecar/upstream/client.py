@@ -23,7 +23,7 @@ import aiohttp
 from disagg_sidecar import wire
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.upstream.endpoints import EndpointPool
-from disagg_sidecar.metrics import Metrics
+from disagg_sidecar.metrics import Metrics, api_var
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Upstream:
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise transport_error(leg, url, exc) from exc
         finally:
-            self.metrics.leg_seconds.labels(leg).observe(time.monotonic() - started)
+            self.metrics.leg_seconds.labels(leg, api_var.get()).observe(time.monotonic() - started)
 
     # -- a pool leg with retries ---------------------------------------------------------------
 
@@ -192,7 +192,7 @@ class Upstream:
                 inflight.urls.discard(url)
         finally:
             resp.release()
-            self.metrics.leg_seconds.labels("decode").observe(time.monotonic() - started)
+            self.metrics.leg_seconds.labels("decode", api_var.get()).observe(time.monotonic() - started)
 
     # -- aborts, probes --------------------------------------------------------------------------
 
