@@ -33,7 +33,7 @@ from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.pipeline.poollegs import PoolLegs
 from disagg_sidecar.state import DecodeAnswers, SidecarState
-from disagg_sidecar.upstream.client import PROBE_TIMEOUT, Upstream
+from disagg_sidecar.upstream.client import NO_REDIRECTS, PROBE_TIMEOUT, Upstream
 
 log = logging.getLogger("disagg_sidecar")
 access_log = logging.getLogger("disagg_sidecar.access")
@@ -99,7 +99,7 @@ _SERVING_CHECK = {"prompt": [0, 0], "max_tokens": 1}
 async def _decode_health(up: Upstream) -> tuple[bool, bool]:
     """(healthy, refused): a refused connection means the engine's process is gone."""
     try:
-        async with up.session.get(up.decode_url + wire.HEALTH, timeout=PROBE_TIMEOUT) as resp:
+        async with up.session.get(up.decode_url + wire.HEALTH, timeout=PROBE_TIMEOUT, **NO_REDIRECTS) as resp:
             await resp.read()
             return resp.status == 200, False
     except aiohttp.ClientConnectorError:
@@ -114,7 +114,7 @@ async def _decode_serves(up: Upstream, model: str | None) -> bool:
     body = {**_SERVING_CHECK, **({"model": model} if model else {})}
     try:
         async with up.session.post(up.decode_url + wire.COMPLETIONS, json=body,
-                                   timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                                   timeout=aiohttp.ClientTimeout(total=30), **NO_REDIRECTS) as resp:
             await resp.read()
             return resp.status < 500
     except (aiohttp.ClientError, asyncio.TimeoutError):

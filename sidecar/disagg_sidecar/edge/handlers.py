@@ -7,6 +7,7 @@ sent, so a bad request never costs an upstream connection.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import uuid
@@ -174,18 +175,35 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The decode engine's model list (the served name every tier shares)."""
-    up = request.app[UPSTREAM]
+    """The decode engine's model list (the served name every tier shares), checked to be one: an
+    answer that is not is a 502 whose detail stays in the log. It takes a request slot like any
+    other call that costs an upstream connection."""
+    state = request.app[STATE]
+    if not state.try_reserve():
+        raise _no_slot(request)
     try:
-        status, body = await up.get_json(up.decode_url, wire.MODELS)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        log.warning("GET %s on the decode engine failed: %r", wire.MODELS, exc)
-        raise SidecarError(503, "The decode engine is not reachable", type_="ServiceUnavailableError",
-                           headers={"Retry-After": "1"}) from exc
-    if status >= 500:
+        up = request.app[UPSTREAM]
+        try:
+            status, body = await up.get_json(up.decode_url, wire.MODELS)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("GET %s on the decode engine failed: %r", wire.MODELS, exc)
+            raise SidecarError(503, "The decode engine is not reachable", type_="ServiceUnavailableError",
+                               headers={"Retry-After": "1"}) from exc
+    finally:
+        state.release()
+    if status != 200:
         log.warning("GET %s on the decode engine answered %d: %r", wire.MODELS, status, body[:300])
-        raise SidecarError.upstream(status, body, "decode")
-    return web.Response(body=body, status=status, content_type="application/json")
+        raise SidecarError(502, f"The decode engine answered GET /v1/models with status {status}",
+                           type_="BadGatewayError")
+    try:
+        listed = json.loads(body)
+    except ValueError:
+        listed = None
+    if not isinstance(listed, dict) or not isinstance(listed.get("data"), list):
+        log.warning("GET %s on the decode engine answered no model list: %r", wire.MODELS, body[:300])
+        raise SidecarError(502, "The decode engine answered GET /v1/models with an invalid answer",
+                           type_="BadGatewayError")
+    return web.Response(body=body, status=200, content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:

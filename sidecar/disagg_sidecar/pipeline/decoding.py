@@ -108,10 +108,10 @@ class Decoder:
         try:
             async with self.up.decode(sse.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
                                       ctx.inflight) as resp:
-                if resp.status != 200 or not body.get("stream"):
+                if resp.status != 200:
+                    raise self.error(resp.status, await resp.read())
+                if not body.get("stream"):
                     raw = await resp.read()
-                    if resp.status >= 500:
-                        raise self.error(resp.status, raw)
                     return web.Response(body=raw, status=resp.status, content_type="application/json",
                                         headers=ctx.response_headers())
                 writer = SSEWriter(request, ctx.response_headers())

@@ -13,9 +13,19 @@ from disagg_sidecar.upstream.client import LegError
 log = logging.getLogger(__name__)
 
 
+# Kinds of failure where the tier answered, but with something the sidecar does not use: a bad
+# gateway (502), not an unavailable tier (503, Retry-After).
+BAD_ANSWERS = {"redirect": "a redirect, which the sidecar does not follow", "invalid": "an invalid answer",
+               "oversize": "an answer over its size limit", "credentials": "a refusal of the sidecar's engine key"}
+
+
 def leg_failure(exc: LegError) -> SidecarError:
     """A leg that failed after its retries, as the client sees it (the details only in the log)."""
     log.warning("%s", exc)
+    if exc.kind in BAD_ANSWERS:
+        who = "decode engine" if exc.leg == "decode" else f"{exc.leg} tier"
+        status = f" (status {exc.status})" if exc.status else ""
+        return SidecarError(502, f"The {who} answered with {BAD_ANSWERS[exc.kind]}{status}", type_="BadGatewayError")
     if exc.leg == "decode":
         if exc.kind == "connect":
             return SidecarError(503, "The decode engine is not reachable; is it running?",

@@ -22,7 +22,7 @@ from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import KVConnector
 from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.pipeline.failures import leg_failure
+from disagg_sidecar.pipeline.failures import BAD_ANSWERS, leg_failure
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.upstream.client import LegError, Upstream
 from disagg_sidecar.derender.usage import cached_tokens
@@ -79,6 +79,10 @@ class PoolLegs:
             if self.config.prefill.failure_policy == "fail":
                 self.metrics.prefill.labels("failed").inc()
                 log.warning("prefill failed (failure_policy fail): %s", exc)
+                if exc.kind in BAD_ANSWERS:
+                    bad = leg_failure(exc)
+                    bad.headers[wire.PREFILL_OUTCOME] = "failed"
+                    raise bad from exc
                 raise SidecarError(503, f"The prefill tier is unavailable ({exc.kind})",
                                    type_="ServiceUnavailableError",
                                    headers={"Retry-After": "1", wire.PREFILL_OUTCOME: "failed"}) from exc

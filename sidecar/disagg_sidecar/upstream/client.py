@@ -33,6 +33,11 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2, sock_connect=1)
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=1)
 ABORT_GRACE_SECONDS = 1.0
+NO_REDIRECTS = {"allow_redirects": False}  # every call of the upstream session (module docstring)
+
+
+def is_redirect(status: int) -> bool:
+    return 300 <= status < 400
 
 
 class LegError(Exception):
@@ -107,7 +112,9 @@ class Upstream:
         started = time.monotonic()
         try:
             async with self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
-                                         timeout=self.timeouts[leg]) as resp:
+                                         timeout=self.timeouts[leg], **NO_REDIRECTS) as resp:
+                if is_redirect(resp.status):
+                    raise LegError(leg, "redirect", url, resp.status)
                 return Reply(resp.status, await resp.read(), url)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise transport_error(leg, url, exc) from exc
@@ -168,11 +175,15 @@ class Upstream:
             headers = inflight.headers
         try:
             resp = await self.session.post(url + wire.GENERATE, data=body, headers={**headers, **JSON_HEADERS},
-                                           timeout=self.timeouts["decode"])
+                                           timeout=self.timeouts["decode"], **NO_REDIRECTS)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             error = transport_error("decode", url, exc)
             self.metrics.leg_errors.labels("decode", error.kind).inc()
             raise error from exc
+        if is_redirect(resp.status):
+            resp.close()
+            self.metrics.leg_errors.labels("decode", "redirect").inc()
+            raise LegError("decode", "redirect", url, resp.status)
         if inflight is not None:
             inflight.urls.add(url)
         try:
@@ -212,7 +223,7 @@ class Upstream:
         body = json.dumps({"request_ids": [engine_request_id]}).encode()
         try:  # with the legs' headers: the abort belongs to the same request and trace
             async with self.session.post(url + wire.ABORT, data=body, headers={**headers, **JSON_HEADERS},
-                                         timeout=ABORT_TIMEOUT) as resp:
+                                         timeout=ABORT_TIMEOUT, **NO_REDIRECTS) as resp:
                 await resp.read()
                 if resp.status != 200:
                     log.warning("abort of %s on %s answered %s", engine_request_id, url, resp.status)
@@ -221,7 +232,7 @@ class Upstream:
 
     async def healthy(self, url: str) -> bool:
         try:
-            async with self.session.get(url + wire.HEALTH, timeout=PROBE_TIMEOUT) as resp:
+            async with self.session.get(url + wire.HEALTH, timeout=PROBE_TIMEOUT, **NO_REDIRECTS) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -230,7 +241,8 @@ class Upstream:
     async def served_capabilities(self) -> dict[str, Any] | Literal["absent"] | None:
         """The decode engine's ``/disagg/v1/capabilities``; "absent" without the extension, None if unreachable."""
         try:
-            async with self.session.get(self.decode_url + wire.CAPABILITIES, timeout=PROBE_TIMEOUT) as resp:
+            async with self.session.get(self.decode_url + wire.CAPABILITIES, timeout=PROBE_TIMEOUT,
+                                        **NO_REDIRECTS) as resp:
                 body = await resp.read()
                 if resp.status == 404:
                     return "absent"
@@ -242,7 +254,7 @@ class Upstream:
             return None
 
     async def get_json(self, url: str, path: str) -> tuple[int, bytes]:
-        async with self.session.get(url + path, timeout=self.timeouts["render"]) as resp:
+        async with self.session.get(url + path, timeout=self.timeouts["render"], **NO_REDIRECTS) as resp:
             return resp.status, await resp.read()
 
     async def close(self) -> None:

@@ -19,7 +19,7 @@ from disagg_sidecar.upstream import exposition
 from disagg_sidecar import wire
 from disagg_sidecar.config import Exposition
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream.client import Upstream
+from disagg_sidecar.upstream.client import NO_REDIRECTS, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ async def _fetch(up: Upstream, timeout: float) -> str:
     """The engine's exposition; raises LookupError(reason) when there is none to use."""
     try:
         async with up.session.get(up.decode_url + wire.METRICS, headers=_HEADERS,
-                                  timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                                  timeout=aiohttp.ClientTimeout(total=timeout), **NO_REDIRECTS) as resp:
             if resp.status != 200:
                 raise LookupError("status")
             body = bytearray()
