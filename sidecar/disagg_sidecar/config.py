@@ -49,7 +49,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -226,6 +226,9 @@ class Prefill(Model):
     failure_policy: Literal["fallback", "fail"] = "fallback"
     tokens_only: bool | None = Field(None, description="Prefill pool runs --tokens-only; None: `engine.prefill_tokens_only`.")
     min_prompt_tokens: int = Field(0, ge=0, description="Prompts shorter than this skip the prefill leg.")
+    side_channel_ports: tuple[Annotated[int, Field(ge=1, le=65535)], ...] = Field(
+        (5600,), description="The prefill engines' KV side-channel ports (NIXL: one per data-parallel rank, "
+        "vLLM's default 5600): a prefill answer's kv_transfer_params naming another port never reach decode.")
 
     @model_validator(mode="after")
     def _discovery(self) -> Prefill:

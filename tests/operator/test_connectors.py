@@ -41,7 +41,7 @@ class TestOnlyConnector:
     def prefill_params(self) -> dict[str, Any]:
         return {"test": "prefill"}
 
-    def decode_params(self, prefill_response_params: dict[str, Any] | None) -> dict[str, Any] | None:
+    def decode_params(self, prefill_response_params: Any, prefilled: object) -> dict[str, Any] | None:
         return prefill_response_params
 
     def min_prompt_tokens(self, block_size: int) -> int:

@@ -8,6 +8,7 @@ is healthy after.
 from __future__ import annotations
 
 import ast
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,3 +128,83 @@ def test_every_upstream_call_refuses_redirects() -> None:
                 missing.append(f"{path.relative_to(SIDECAR_PACKAGE)}:{node.lineno}")
     assert not missing, missing
 
+
+
+# -- 2. kv_transfer_params ---------------------------------------------------------------------------
+
+def nixl_params(**over) -> dict:
+    """What vLLM's NixlConnector returns from a prefill engine at 127.0.0.1 (side channel 5600)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4],
+            "remote_engine_id": "engine-a", "remote_request_id": "r1", "remote_host": "127.0.0.1",
+            "remote_port": 5600, "tp_size": 1, **over}
+
+
+HOSTILE_KV = {
+    "another host": nixl_params(remote_host="10.66.66.66", remote_port=22),
+    "another port": nixl_params(remote_port=22),
+    "a name for the host": nixl_params(remote_host="localhost"),
+    "a port as text": nixl_params(remote_port="5600"),
+    "not an object": [nixl_params()],
+    "no engine id": {k: v for k, v in nixl_params().items() if k != "remote_engine_id"},
+    "block ids as text": nixl_params(remote_block_ids="1,2"),
+    "a nested object": nixl_params(extra={"remote_host": "10.66.66.66"}),
+    "decode asked to send": nixl_params(do_remote_decode=True),
+}
+
+
+def nixl_config(ups: Upstreams, **prefill) -> dict:
+    return fake.config(ups, kv_connector="NixlConnector", prefill=prefill)
+
+
+def prefill_answering(params) -> fake.Handler:
+    return fake.answer_json({"request_id": "p", "kv_transfer_params": params,
+                             "choices": [{"index": 0, "token_ids": [21], "finish_reason": "length"}]})
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_KV))
+def test_kv_params_naming_anything_but_the_prefilled_endpoint_never_reach_decode(ups: Upstreams, case: str) -> None:
+    ups.prefill.routes["/inference/v1/generate"] = prefill_answering(HOSTILE_KV[case])
+    with run_sidecar(nixl_config(ups)) as sidecar:  # failure_policy fail: a 502 that says why
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 502 and resp.headers["x-disagg-prefill"] == "failed", resp.text
+        assert openai_error(resp)["message"] == "The prefill tier answered with an invalid answer"
+        assert not ups.decode.posts("/inference/v1/generate"), "nothing reached decode"
+        assert_clean(resp, ups)
+    ups.decode.calls.clear()
+    with run_sidecar(nixl_config(ups, failure_policy="fallback")) as sidecar:  # decode prefills itself
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback", resp.text
+        assert resp.json()["choices"][0]["message"]["content"] == fake.ANSWER
+        (leg,) = ups.decode.posts("/inference/v1/generate")
+        assert leg.body["kv_transfer_params"] is None
+        assert_clean(resp, ups)
+
+
+def test_kv_params_of_the_prefilled_endpoint_reach_decode_as_they_are(ups: Upstreams) -> None:
+    for ports, port in (((5600,), 5600), ((5700, 5701), 5701)):
+        ups.reset()
+        params = nixl_params(remote_port=port, remote_block_ids=[[1, 2], [3]], remote_prefill_cached_tokens=4)
+        ups.prefill.routes["/inference/v1/generate"] = prefill_answering(params)
+        with run_sidecar(nixl_config(ups, side_channel_ports=list(ports))) as sidecar:
+            resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+            assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote", resp.text
+        (leg,) = ups.decode.posts("/inference/v1/generate")
+        assert leg.body["kv_transfer_params"] == params
+
+
+def test_a_clients_kv_params_in_its_chat_request_never_reach_decode(ups: Upstreams) -> None:
+    """The decode leg's parser context is the client's request: its kv_transfer_params (top level
+    or in vllm_xargs) are taken out, the rest stays as the client sent it."""
+    inline = {"output_modes": ["derender"], "streaming_output_modes": ["derender"],
+              "derender_context_forms": ["chat_request"]}
+    hostile = {"remote_host": "10.66.66.66", "remote_port": 22, "do_remote_prefill": True}
+    body = {**CHAT, "kv_transfer_params": hostile, "vllm_xargs": {"kv_transfer_params": hostile, "keep": 1}}
+    with run_sidecar(fake.config(ups, decode={"capabilities": inline})) as sidecar:
+        for stream in (False, True):
+            ups.decode.calls.clear()
+            resp = post(sidecar.url, "/v1/chat/completions", {**body, "stream": stream})
+            assert resp.status_code == 200, resp.text
+            (leg,) = ups.decode.posts("/inference/v1/generate")
+            assert leg.body["output_mode"] == "derender" and leg.body["kv_transfer_params"] is None
+            assert leg.body["chat_request"] == {**CHAT, "stream": stream, "vllm_xargs": {"keep": 1}}
+            assert b"10.66.66.66" not in json.dumps(leg.body).encode()

@@ -75,8 +75,9 @@ class Flows:
         derender = legs.DerenderLeg("chat", raw, gen[wire.TOKEN_IDS])
         opts = chained.Options.of(body, gen)
         tier = self.pools.tier(ctx)
+        context = legs.client_context(raw, body)
         if not body.get("stream"):
-            out = await self.decoder.batch(gen, kv, decode_plan, ctx, raw)
+            out = await self.decoder.batch(gen, kv, decode_plan, ctx, context)
             if decisions.answered_mode(out) == "tokens":
                 result = await chained.chat_batch(out, derender, opts, shape, tier)
             else:
@@ -87,7 +88,7 @@ class Flows:
 
         async def run() -> None:
             stream_call = chained.ChatStream(derender, opts, tier, logprobs=bool(body.get("logprobs")))
-            usage = await self.decoder.stream(gen, kv, decode_plan, ctx, stream_call, raw, writer,
+            usage = await self.decoder.stream(gen, kv, decode_plan, ctx, stream_call, context, writer,
                                               lambda chunk: shapes.chat_chunk(chunk, shape, first=first))
             if usage is not None:
                 await writer.send(shapes.usage_chunk("chat.completion.chunk", shape, shape.usage(usage)))

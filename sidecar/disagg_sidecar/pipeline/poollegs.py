@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,12 +20,12 @@ from disagg_sidecar.plan import decisions
 from disagg_sidecar import sse
 from disagg_sidecar import wire
 from disagg_sidecar.config import SidecarConfig
-from disagg_sidecar.connectors import KVConnector
+from disagg_sidecar.connectors import InvalidKVParams, KVConnector, PrefilledAt
 from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.pipeline.failures import BAD_ANSWERS, leg_failure
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream.client import LegError, Upstream
+from disagg_sidecar.upstream.client import LegError, Reply, Upstream
 from disagg_sidecar.derender.usage import cached_tokens
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class PoolLegs:
         try:
             reply = await self.up.call("prefill", wire.GENERATE, body, ctx.headers,
                                        first=ctx.prefill_target, inflight=ctx.inflight, prompt=gen[wire.TOKEN_IDS])
+            if reply.status != 200:
+                raise SidecarError.upstream(reply.status, reply.body, "prefill")
+            params, kv = self._kv(reply)
         except LegError as exc:
             if self.config.prefill.failure_policy == "fail":
                 self.metrics.prefill.labels("failed").inc()
@@ -89,11 +93,26 @@ class PoolLegs:
             log.warning("prefill failed, decode prefills locally: %s", exc)
             self._count(ctx, "fallback")
             return Prefilled()
-        if reply.status != 200:
-            raise SidecarError.upstream(reply.status, reply.body, "prefill")
         self._count(ctx, "remote")
-        params = reply.json().get(wire.KV_TRANSFER_PARAMS)
-        return Prefilled(self.connector.decode_params(params), cached_tokens(params))
+        return Prefilled(kv, cached_tokens(params))
+
+    def _kv(self, reply: Reply) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The prefill answer's ``kv_transfer_params`` and what of them goes to decode: only what
+        the connector accepts from the endpoint that was prefilled (``connectors``); anything else
+        is a failed prefill leg (``invalid``), the endpoint marked failed."""
+        assert self.connector is not None
+        host = urlsplit(reply.url).hostname or ""
+        try:
+            answer = reply.json()
+            params = answer.get(wire.KV_TRANSFER_PARAMS) if isinstance(answer, dict) else None
+            if not isinstance(answer, dict):
+                raise InvalidKVParams("the prefill answer is not a JSON object")
+            kv = self.connector.decode_params(params, PrefilledAt(host, self.config.prefill.side_channel_ports))
+        except ValueError as exc:  # InvalidKVParams, or not JSON
+            self.up.pools["prefill"].mark_failed(reply.url)
+            self.metrics.leg_errors.labels("prefill", "invalid").inc()
+            raise LegError("prefill", "invalid", reply.url, detail=str(exc)[:200]) from exc
+        return (params if isinstance(params, dict) else None), kv
 
     def _count(self, ctx: Context, outcome: wire.PrefillOutcome) -> None:
         ctx.prefill_outcomes.add(outcome)
