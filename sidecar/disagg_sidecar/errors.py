@@ -36,8 +36,12 @@ class SidecarError(Exception):
     """A request-level failure with the status, body and headers the client gets."""
 
     def __init__(self, status: int, message: str, *, type_: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None, body: bytes | None = None):
+                 code: str | int | None = None, headers: Mapping[str, str] | None = None, body: bytes | None = None,
+                 done: bool = True):
         super().__init__(message)
+        # After a stream's first byte: whether ``[DONE]`` follows the error event (as vLLM sends it);
+        # not when an upstream stream ended without its own end, so no client takes it for complete.
+        self.done = done
         self.status = status
         self.message = message
         self.headers = dict(headers or {})

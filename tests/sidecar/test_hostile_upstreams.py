@@ -8,6 +8,7 @@ is healthy after.
 from __future__ import annotations
 
 import ast
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,7 +168,7 @@ def test_kv_params_naming_anything_but_the_prefilled_endpoint_never_reach_decode
     with run_sidecar(nixl_config(ups)) as sidecar:  # failure_policy fail: a 502 that says why
         resp = post(sidecar.url, "/v1/chat/completions", CHAT)
         assert resp.status_code == 502 and resp.headers["x-disagg-prefill"] == "failed", resp.text
-        assert openai_error(resp)["message"] == "The prefill tier answered with an invalid answer"
+        assert openai_error(resp)["message"].startswith("The prefill tier answered with an invalid answer (")
         assert not ups.decode.posts("/inference/v1/generate"), "nothing reached decode"
         assert_clean(resp, ups)
     ups.decode.calls.clear()
@@ -208,3 +209,221 @@ def test_a_clients_kv_params_in_its_chat_request_never_reach_decode(ups: Upstrea
             assert leg.body["output_mode"] == "derender" and leg.body["kv_transfer_params"] is None
             assert leg.body["chat_request"] == {**CHAT, "stream": stream, "vllm_xargs": {"keep": 1}}
             assert b"10.66.66.66" not in json.dumps(leg.body).encode()
+
+
+# -- 3. wrong shapes ---------------------------------------------------------------------------------
+
+def gzipped(obj) -> bytes:
+    return gzip.compress(json.dumps(obj).encode())
+
+
+GZIP = {"Content-Encoding": "gzip"}
+BAD_RENDER = {
+    "not JSON": fake.answer_raw(b"<html>10.66.66.66</html>"),
+    "a list": fake.answer_json([fake.rendered()]),
+    "token_ids as text": fake.answer_json({**fake.rendered(), "token_ids": "11 12"}),
+    "no token_ids": fake.answer_json({k: v for k, v in fake.rendered().items() if k != "token_ids"}),
+    "empty token_ids": fake.answer_json({**fake.rendered(), "token_ids": []}),
+    "a token id of 2^63": fake.answer_json({**fake.rendered(), "token_ids": [2**63] * 20}),
+    "a negative token id": fake.answer_json({**fake.rendered(), "token_ids": [-1]}),
+    "sampling_params a list": fake.answer_json({**fake.rendered(), "sampling_params": []}),
+    "n of 128 for 1": fake.answer_json({**fake.rendered(), "sampling_params": {"max_tokens": 4, "n": 128}}),
+    "NaN": fake.answer_raw(b'{"token_ids": [1], "sampling_params": {"temperature": NaN}}'),
+    "gzip": fake.answer_raw(gzipped(fake.rendered()), headers=GZIP),
+    "request_id a number": fake.answer_json({**fake.rendered(), "request_id": 7}),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RENDER))
+def test_a_render_answer_of_the_wrong_shape_is_a_502(ups: Upstreams, case: str) -> None:
+    ups.render.routes["/v1/chat/completions/render"] = BAD_RENDER[case]
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for stream in (False, True):
+            resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": stream})
+            assert resp.status_code == 502, resp.text
+            assert openai_error(resp)["message"].startswith("The render tier answered with an invalid answer (")
+        assert not ups.prefill.posts() and not ups.decode.posts(), "nothing went on"
+        assert_clean(resp, ups)
+        ups.render.routes.clear()
+        assert_healthy(sidecar, ups)
+
+
+def test_render_answering_more_requests_than_prompts_sends_no_leg(ups: Upstreams) -> None:
+    """300 requests for one prompt: ``max_legs`` counts what would be sent, so none is."""
+    ups.render.routes["/v1/completions/render"] = fake.answer_json([fake.rendered("cmpl-x")] * 300)
+    with run_sidecar(fake.config(ups)) as sidecar:
+        resp = post(sidecar.url, "/v1/completions", COMPLETION)
+        assert resp.status_code == 502 and "render answered 300 requests for 1 prompt" in openai_error(resp)["message"]
+        assert not ups.prefill.posts() and not ups.decode.posts()
+        ups.render.routes.clear()
+        two = post(sidecar.url, "/v1/completions", {**COMPLETION, "prompt": ["a", "b"]})
+        assert two.status_code == 200 and [c["index"] for c in two.json()["choices"]] == [0, 1], two.text
+
+
+BAD_DECODE = {
+    "not JSON": fake.answer_raw(b"Internal error at pod decode-7f9c 10.66.66.66"),
+    "a list": fake.answer_json([fake.text_answer(None)]),
+    "an error with 200": fake.answer_json({"error": {"message": "engine dead at 10.66.66.66", "code": 500}}),
+    "choices an object": fake.answer_json({**fake.text_answer(None), "choices": {"0": {}}}),
+    "a choice index of 5 for n = 1": fake.answer_json(
+        {**fake.text_answer(None), "choices": [{"index": 5, "text": "x", "finish_reason": "stop"}]}),
+    "3000 choices for n = 1": fake.answer_json(
+        {**fake.text_answer(None), "choices": [{"index": i, "text": "x"} for i in range(3000)]}),
+    "token ids as text": fake.answer_json(
+        {**fake.text_answer(None), "choices": [{"index": 0, "text": "x", "token_ids": ["a"]}]}),
+    "text a number": fake.answer_json({**fake.text_answer(None), "choices": [{"index": 0, "text": 5}]}),
+    "usage a list": fake.answer_json({**fake.text_answer(None), "usage": [1]}),
+    "gzip": fake.answer_raw(gzipped(fake.text_answer(None)), headers=GZIP),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODE))
+def test_a_decode_answer_of_the_wrong_shape_is_a_502(ups: Upstreams, case: str) -> None:
+    ups.decode.routes["/inference/v1/generate"] = BAD_DECODE[case]
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+                           ("/inference/v1/generate", {"token_ids": fake.PROMPT_IDS, "sampling_params": {"max_tokens": 2}})):
+            resp = post(sidecar.url, path, body)
+            assert resp.status_code == 502, (path, resp.text)
+            assert openai_error(resp)["message"].startswith("The decode engine answered with an invalid answer (")
+            assert "Content-Encoding" not in resp.headers
+            assert_clean(resp, ups)
+        ups.decode.routes.clear()
+        assert_healthy(sidecar, ups)
+
+
+def test_upstream_error_bodies_are_summarised_and_an_engine_key_refusal_is_a_502(ups: Upstreams) -> None:
+    leak = b"<html>403 at decode-7f9c-xk2 (10.66.66.66)</html>"
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for status, want in ((404, 404), (422, 422), (401, 502), (403, 502)):
+            for tier, path in ((ups.render, "/v1/chat/completions/render"), (ups.decode, "/inference/v1/generate")):
+                ups.reset()
+                tier.routes[path] = fake.answer_raw(leak, status=status)
+                resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+                assert resp.status_code == want, resp.text
+                error = openai_error(resp)
+                assert b"decode-7f9c" not in resp.content and b"html" not in resp.content, error
+                if want == 502:
+                    assert "engine key" in error["message"] and error["type"] == "BadGatewayError"
+                else:
+                    assert error["message"].endswith(f"refused the request (status {status})")
+                assert_clean(resp, ups)
+        ups.reset()
+        ups.render.routes["/v1/chat/completions/render"] = fake.answer_json(
+            {"error": {"message": "This model's maximum context length is 8 tokens", "type": "BadRequestError",
+                       "param": "messages", "code": 400, "extra": "dropped"}}, status=400)
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 400 and openai_error(resp) == {
+            "message": "This model's maximum context length is 8 tokens", "type": "BadRequestError",
+            "param": "messages", "code": 400}, "an engine's own OpenAI error passes, rebuilt from its fields"
+
+
+# -- 4. streams without their end ----------------------------------------------------------------------
+
+def read_stream(resp: requests.Response) -> list:
+    events = []
+    for block in resp.content.split(b"\n\n"):
+        lines = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
+        if lines:
+            payload = b"\n".join(lines)
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def stream_error(resp: requests.Response) -> dict:
+    """The error the client of a stream sees: an HTTP error before the first event, else the last
+    event, never followed by ``[DONE]``."""
+    if resp.status_code != 200:
+        return openai_error(resp)
+    events = read_stream(resp)
+    assert events and events[-1] != "[DONE]" and "[DONE]" not in events, events[-3:]
+    assert set(events[-1]) == {"error"}, events[-1]
+    return events[-1]["error"]
+
+
+EVENTS = fake.text_events()
+BAD_STREAMS = {
+    "no [DONE]": fake.sse_bytes(EVENTS, done=False),
+    "no finish reason": fake.sse_bytes(EVENTS[:1]),
+    "cut inside an event": fake.sse_bytes(EVENTS, done=False) + b'data: {"choices": [',
+    "no data lines": b"event: x\n\n: comment\n\nid: 1\n\n",
+    "an event that is not JSON": fake.sse_bytes([EVENTS[0], b"<html>10.66.66.66</html>", EVENTS[1]]),
+    "an event that is a list": fake.sse_bytes([EVENTS[0], b"[1, 2]", EVENTS[1]]),
+    "a choice index beyond n": fake.sse_bytes([EVENTS[0], {**EVENTS[1], "choices": [{"index": 9, "text": "x"}]}]),
+    "events after [DONE]": fake.sse_bytes(EVENTS) + fake.sse_bytes(EVENTS),
+    "2 MiB without a separator": fake.sse_bytes(EVENTS[:1], done=False) + b"data: " + b"x" * (2 << 20),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STREAMS))
+def test_a_decode_stream_without_its_proper_end_is_an_error_the_client_sees(ups: Upstreams, case: str) -> None:
+    ups.decode.routes["/inference/v1/generate"] = fake.stream_raw(BAD_STREAMS[case])
+    with run_sidecar(fake.config(ups, limits={"upstream_event_bytes": 1 << 20})) as sidecar:
+        for path, body in (("/v1/chat/completions", {**CHAT, "stream": True}),
+                           ("/v1/completions", {**COMPLETION, "stream": True}),
+                           ("/inference/v1/generate", {"token_ids": fake.PROMPT_IDS, "stream": True,
+                                                       "sampling_params": {"max_tokens": 2}})):
+            resp = post(sidecar.url, path, body)
+            error = stream_error(resp)
+            assert error["code"] == 502 and error["message"].startswith(
+                "The decode engine answered with an invalid answer ("), (path, error)
+            assert_clean(resp, ups)
+        ups.decode.routes.clear()
+        assert_healthy(sidecar, ups)
+
+
+def test_a_proper_stream_still_ends_with_done(ups: Upstreams) -> None:
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for path, body in (("/v1/chat/completions", {**CHAT, "stream": True, "n": 2}),
+                           ("/inference/v1/generate", {"token_ids": fake.PROMPT_IDS, "stream": True,
+                                                       "sampling_params": {"max_tokens": 2, "n": 2}})):
+            events = read_stream(post(sidecar.url, path, body))
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+            finished = {c["index"] for e in events[:-1] for c in e["choices"] if c.get("finish_reason")}
+            assert finished == {0, 1}
+
+
+TOKENS_DECODE = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+
+
+def chained_config(ups: Upstreams) -> dict:
+    """Decode answers tokens; the render tier derenders them (the chained path)."""
+    return fake.config(ups, decode={"capabilities": TOKENS_DECODE}, engine={"extension": False,
+                                                                           "derender_sessions": False})
+
+
+def tokens_decode(request, body):
+    stream = bool(body.get("stream"))
+    if stream:
+        return fake.stream_raw(fake.sse_bytes(fake.tokens_answer(True)))(request, body)
+    return fake.answer_json(fake.tokens_answer(False))(request, body)
+
+
+BAD_DERENDER = {  # case -> (answer, for the batch call, for the streamed calls)
+    "not JSON": (fake.answer_raw(b"<html>10.66.66.66</html>"), True, True),
+    "a list": (fake.answer_json([]), True, True),
+    "a choice without message or text": (fake.answer_json({"choices": [{"index": 0}]}), True, False),
+    "a choice index beyond n": (fake.answer_json({"choices": [{"index": 300, "message": {}}],
+                                                  "chunk": {"choices": [{"index": 300}]}, "stream_state": {}}), True, True),
+    "no stream_state": (fake.answer_json({"chunk": {"choices": []}}), False, True),
+    "chunk a list": (fake.answer_json({"chunk": [], "stream_state": {}}), False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DERENDER))
+def test_a_derender_answer_of_the_wrong_shape_is_an_error(ups: Upstreams, case: str) -> None:
+    ups.decode.routes["/inference/v1/generate"] = tokens_decode
+    answer, batch, streamed = BAD_DERENDER[case]
+    with run_sidecar(chained_config(ups)) as sidecar:
+        good = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] == fake.ANSWER, good.text
+        good = read_stream(post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True}))
+        assert good[-1] == "[DONE]" and "".join(e["choices"][0]["delta"].get("content") or ""
+                                                for e in good[:-1] if e["choices"]) == fake.ANSWER, good
+        ups.render.routes["/v1/chat/completions/derender"] = answer
+        for stream in [s for s, bad in ((False, batch), (True, streamed)) if bad]:
+            resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": stream})
+            error = stream_error(resp) if stream else openai_error(resp)
+            assert resp.status_code in (200, 502) and error["message"].startswith(
+                "The derender tier answered with an invalid answer ("), (stream, error)
+            assert_clean(resp, ups)

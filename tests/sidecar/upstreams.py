@@ -28,9 +28,12 @@ PROMPT_IDS = [11, 12, 13, 14]
 ANSWER = "hello there"
 
 
-def rendered(request_id: str = "chatcmpl-fake") -> dict[str, Any]:
-    return {"request_id": request_id, "token_ids": list(PROMPT_IDS), "sampling_params": {"max_tokens": 4},
-            "model": SERVED}
+def rendered(request_id: str = "chatcmpl-fake", client: Any = None) -> dict[str, Any]:
+    """Render's answer for ``client``'s request: its stream flag and ``n`` carried over, as vLLM's are."""
+    client = client if isinstance(client, dict) else {}
+    sampling = {"max_tokens": 4, **({"n": client["n"]} if client.get("n") else {})}
+    return {"request_id": request_id, "token_ids": list(PROMPT_IDS), "sampling_params": sampling,
+            "model": SERVED, "stream": bool(client.get("stream"))}
 
 
 def text_answer(body: Any) -> dict[str, Any]:
@@ -42,13 +45,14 @@ def text_answer(body: Any) -> dict[str, Any]:
             "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": 2, "total_tokens": len(PROMPT_IDS) + 2}}
 
 
-def text_events() -> list[dict[str, Any]]:
-    """A streamed ``text`` answer: two pieces, the last with its finish reason."""
-    return [{"request_id": "gen-fake", "output_mode": "text",
-             "choices": [{"index": 0, "text": "hello", "token_ids": [21], "finish_reason": None}]},
-            {"request_id": "gen-fake", "output_mode": "text",
-             "choices": [{"index": 0, "text": " there", "token_ids": [22], "finish_reason": "stop",
-                          "stop_reason": None}]}]
+def text_events(n: int = 1) -> list[dict[str, Any]]:
+    """A streamed ``text`` answer: two pieces per choice, the last with its finish reason."""
+    return [event for i in range(n) for event in (
+        {"request_id": "gen-fake", "output_mode": "text",
+         "choices": [{"index": i, "text": "hello", "token_ids": [21], "finish_reason": None}]},
+        {"request_id": "gen-fake", "output_mode": "text",
+         "choices": [{"index": i, "text": " there", "token_ids": [22], "finish_reason": "stop",
+                      "stop_reason": None}]})]
 
 
 def sse_bytes(events: list[Any], done: bool = True) -> bytes:
@@ -116,25 +120,49 @@ def silent_after(data: bytes = b"", content_type: str = "text/event-stream") -> 
 # -- the well-behaved defaults ---------------------------------------------------------------------
 
 async def _render_chat(request: web.Request, body: Any) -> web.StreamResponse:
-    return web.json_response(rendered())
+    return web.json_response(rendered(client=body))
 
 
 async def _render_completions(request: web.Request, body: Any) -> web.StreamResponse:
-    return web.json_response([rendered("cmpl-fake")])
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return web.json_response([rendered("cmpl-fake", body) for _ in range(count)])
 
 
 async def _generate(request: web.Request, body: Any) -> web.StreamResponse:
     """Prefill legs (``max_tokens`` 1, tokens) get one token; decode legs a ``text`` answer."""
-    if isinstance(body, dict) and body.get("stream"):
-        return await stream_raw(sse_bytes(text_events()))(request, body)
     sampling = (body or {}).get("sampling_params") or {}
+    if isinstance(body, dict) and body.get("stream"):
+        return await stream_raw(sse_bytes(text_events(sampling.get("n") or 1)))(request, body)
     if (body or {}).get("output_mode") == "tokens" and sampling.get("max_tokens") == 1:
         return web.json_response({"request_id": "prefill-fake", "kv_transfer_params": None,
                                   "choices": [{"index": 0, "token_ids": [21], "finish_reason": "length"}]})
     return web.json_response(text_answer(body))
 
 
+def tokens_answer(stream: bool) -> Any:
+    """A ``tokens`` answer (an engine without inline modes): the ids, for the derender tier."""
+    choice = {"index": 0, "token_ids": [21, 22], "finish_reason": "length", "stop_reason": None}
+    if not stream:
+        return {"request_id": "gen-fake", "choices": [choice]}
+    return [{"request_id": "gen-fake", "choices": [{**choice, "token_ids": [21], "finish_reason": None}]},
+            {"request_id": "gen-fake", "choices": [{**choice, "token_ids": [22]}]}]
+
+
+async def _chat_derender(request: web.Request, body: Any) -> web.StreamResponse:
+    """vLLM's chat derender: a batch answer, or one chunk and its stream_state per streamed call."""
+    if body.get("stream"):
+        gen = body["generate_chunk"]["choices"][0]
+        text = "".join({21: "hello", 22: " there"}[t] for t in gen["token_ids"])
+        return web.json_response({"chunk": {"id": "x", "object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": {"content": text}, "finish_reason": gen.get("finish_reason")}]},
+            "stream_state": {"seen": len(gen["token_ids"])}})
+    return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": ANSWER}, "finish_reason": "stop"}]})
+
+
 DEFAULT_ROUTES: dict[str, Handler] = {
+    "/v1/chat/completions/derender": _chat_derender,
     "/v1/chat/completions/render": _render_chat,
     "/v1/completions/render": _render_completions,
     "/inference/v1/generate": _generate,

@@ -49,9 +49,11 @@ class SSEWriter:
     async def send(self, obj: Mapping[str, Any]) -> None:
         await self.write(sse.sse_json(obj))
 
-    async def fail(self, status: int, message: str) -> None:
+    async def fail(self, status: int, message: str, done: bool = True) -> None:
+        """An error event, and ``[DONE]`` unless the stream must not look finished (``SidecarError.done``)."""
         await self.send(error_body(status, message))
-        await self.write(sse.DONE_EVENT)
+        if done:
+            await self.write(sse.DONE_EVENT)
 
 
 async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]]) -> web.StreamResponse:
@@ -64,7 +66,7 @@ async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]]) -> w
         if not writer.started:
             raise err from exc
         log.warning("stream failed after the first byte: %s", err.message)
-        await writer.fail(err.status, err.message)
+        await writer.fail(err.status, err.message, err.done)
         return writer.response
     except (ConnectionResetError, asyncio.CancelledError):
         raise

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.upstream.client import LegError
+from disagg_sidecar.upstream.client import Leg, LegError
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,9 @@ def leg_failure(exc: LegError) -> SidecarError:
     log.warning("%s", exc)
     if exc.kind in BAD_ANSWERS:
         who = "decode engine" if exc.leg == "decode" else f"{exc.leg} tier"
-        status = f" (status {exc.status})" if exc.status else ""
-        return SidecarError(502, f"The {who} answered with {BAD_ANSWERS[exc.kind]}{status}", type_="BadGatewayError")
+        why = f" (status {exc.status})" if exc.kind == "redirect" and exc.status else \
+            f" ({exc.detail})" if exc.kind == "invalid" and exc.detail else ""
+        return SidecarError(502, f"The {who} answered with {BAD_ANSWERS[exc.kind]}{why}", type_="BadGatewayError")
     if exc.leg == "decode":
         if exc.kind == "connect":
             return SidecarError(503, "The decode engine is not reachable; is it running?",
@@ -35,6 +36,14 @@ def leg_failure(exc: LegError) -> SidecarError:
         return SidecarError(502, f"The decode engine failed: {detail}", type_="BadGatewayError")
     return SidecarError(503, f"The {exc.leg} tier is unavailable ({exc.kind})", type_="ServiceUnavailableError",
                         headers={"Retry-After": "1"})
+
+
+def invalid_answer(leg: Leg, exc: ValueError, url: str | None = None) -> SidecarError:
+    """An answer that failed its shape check (``answers``): a 502 that says what was wrong with it
+    (in a stream: an error event without ``[DONE]``, the answer is not whole)."""
+    err = leg_failure(LegError(leg, "invalid", url, detail=str(exc)[:200]))
+    err.done = False
+    return err
 
 
 def streamed_error(error: Mapping[str, Any]) -> SidecarError:

@@ -67,7 +67,7 @@ class Flows:
     async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
         created = int(time.time())
         decode_plan = decisions.decode_plan("chat", body, self.capabilities())
-        gen = self._checked(legs.rendered(await self.pools.call("render", wire.CHAT_RENDER, raw, ctx)))
+        gen = self._checked(legs.rendered(await self.pools.render_chat(raw, ctx, requestlimits.choices("chat", body) or 1)))
         decode_plan = decisions.fit_to_render(decode_plan, gen)
         prefilled = await self.pools.prefill(gen, ctx)
         kv = prefilled.kv
@@ -101,9 +101,10 @@ class Flows:
                           ctx: Context) -> web.StreamResponse:
         created = int(time.time())
         decode_plan = decisions.decode_plan("completions", body, self.capabilities())
-        gens = [fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
-                for g in await self.pools.call("render", wire.COMPLETIONS_RENDER, raw, ctx)]
         n = int(body.get("n") or 1)
+        rendered = await self.pools.render_prompts(raw, ctx, requestlimits.rendered_prompts(body), n)
+        gens = [fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
+                for g in rendered]
         response_id = f"cmpl-{ctx.request_id}"
         tier = self.pools.tier(ctx)
 

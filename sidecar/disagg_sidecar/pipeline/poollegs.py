@@ -9,12 +9,13 @@ answer, or the failure after the retries, reaches the flow:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from disagg_sidecar.derender import chained
+from disagg_sidecar.plan import answers
 from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar import sse
@@ -23,7 +24,7 @@ from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.connectors import InvalidKVParams, KVConnector, PrefilledAt
 from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.pipeline.failures import BAD_ANSWERS, leg_failure
+from disagg_sidecar.pipeline.failures import BAD_ANSWERS, invalid_answer, leg_failure
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.upstream.client import LegError, Reply, Upstream
 from disagg_sidecar.derender.usage import cached_tokens
@@ -46,23 +47,40 @@ class PoolLegs:
     metrics: Metrics
     connector: KVConnector | None  # None: no prefill pool
 
-    async def call(self, tier: TierLeg, path: str, body: bytes, ctx: Context) -> Any:
-        """A render or derender leg's JSON answer."""
+    async def call(self, tier: TierLeg, path: str, body: bytes, ctx: Context,
+                   check: Callable[[Any], Any] | None = None) -> Any:
+        """A render or derender leg's JSON answer, ``check``ed (``answers``: a 502 otherwise)."""
         try:
             reply = await self.up.call(tier, path, body, ctx.headers)
         except LegError as exc:
             raise leg_failure(exc) from exc
         if reply.status != 200:
             raise SidecarError.upstream(reply.status, reply.body, tier)
-        return reply.json()
+        try:
+            parsed = answers.parse(reply.body)
+            return check(parsed) if check is not None else parsed
+        except answers.InvalidAnswer as exc:
+            raise invalid_answer(tier, exc, reply.url) from exc
+
+    async def render_chat(self, raw: bytes, ctx: Context, n: int) -> dict[str, Any]:
+        return await self.call("render", wire.CHAT_RENDER, raw, ctx, lambda a: answers.rendered(a, n))
+
+    async def render_prompts(self, raw: bytes, ctx: Context, prompts: int, n: int) -> list[dict[str, Any]]:
+        return await self.call("render", wire.COMPLETIONS_RENDER, raw, ctx,
+                               lambda a: answers.rendered_prompts(a, prompts, n))
 
     def tier(self, ctx: Context) -> chained.TierCall:
-        """The chained path's calls to the render/derender tiers (derender calls counted by kind)."""
+        """The chained path's calls to the render/derender tiers (derender calls counted by kind),
+        each answer checked for the shape its kind has."""
+        bound = 2 * self.config.limits.max_n  # a stop cut sends each choice twice (``chained.kept_texts``)
+
         async def call(tier: str, path: str, body: bytes, kind: str) -> Any:
             if tier == "render":
-                return await self.call("render", path, body, ctx)
+                return await self.call("render", path, body, ctx, _tokenized)
             self.metrics.derender_calls.labels(kind).inc()
-            return await self.call("derender", path, body, ctx)
+            check = (lambda a: answers.derendered_chunk(a, bound)) if kind == "stream" else \
+                (lambda a: answers.derendered(a, bound))
+            return await self.call("derender", path, body, ctx, check)
         return call
 
     async def prefill(self, gen: Mapping[str, Any], ctx: Context) -> Prefilled:
@@ -103,7 +121,7 @@ class PoolLegs:
         assert self.connector is not None
         host = urlsplit(reply.url).hostname or ""
         try:
-            answer = reply.json()
+            answer = answers.parse(reply.body)
             params = answer.get(wire.KV_TRANSFER_PARAMS) if isinstance(answer, dict) else None
             if not isinstance(answer, dict):
                 raise InvalidKVParams("the prefill answer is not a JSON object")
@@ -117,3 +135,8 @@ class PoolLegs:
     def _count(self, ctx: Context, outcome: wire.PrefillOutcome) -> None:
         ctx.prefill_outcomes.add(outcome)
         self.metrics.prefill.labels(outcome).inc()
+
+
+def _tokenized(answer: Any) -> Any:
+    """The render tier as the tokenizer (``chained.cut_token_ids``): token ids for each text."""
+    return answers.tokenized(answer, len(answer) if isinstance(answer, list) else -1)

@@ -18,6 +18,16 @@ def prompt_count(prompt: Any) -> int:
     return 1
 
 
+def rendered_prompts(body: Mapping[str, Any]) -> int:
+    """The requests render makes of a completions request: one per prompt and per prompt embedding
+    (vLLM's ``prompt_embeds``: one tensor, or a list of them)."""
+    prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
+    count = prompt_count(prompt) if prompt is not None else 0
+    if embeds is not None:
+        count += len(embeds) if isinstance(embeds, list) else 1
+    return max(count, 1)
+
+
 def choices(api: str, body: Mapping[str, Any]) -> Any:
     if api == "generate":
         sampling = body.get(wire.SAMPLING_PARAMS)
@@ -38,7 +48,7 @@ def check(api: str, body: Mapping[str, Any], limits: Limits) -> None:
     n = n or 1
     if n > limits.max_n:
         raise bad_request(f"n is {n}; this server allows at most {limits.max_n} (limits.max_n)", param)
-    prompts = prompt_count(body.get("prompt")) if api == "completions" else 1
+    prompts = rendered_prompts(body) if api == "completions" else 1
     if prompts > limits.max_prompts:
         raise bad_request(f"the request has {prompts} prompts; this server allows at most {limits.max_prompts} "
                           "per request (limits.max_prompts)", "prompt")

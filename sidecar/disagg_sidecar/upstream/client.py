@@ -40,6 +40,12 @@ def is_redirect(status: int) -> bool:
     return 300 <= status < 400
 
 
+def encoded(resp: aiohttp.ClientResponse) -> bool:
+    """A compressed body: the session does not decompress (``app._upstreams``) and asks for none,
+    so an engine that compresses anyway answers bytes no leg reads."""
+    return resp.headers.get("Content-Encoding", "identity").strip().lower() not in ("identity", "")
+
+
 class LegError(Exception):
     """A leg attempt that failed at the transport level or with a 5xx."""
 
@@ -47,6 +53,7 @@ class LegError(Exception):
                  detail: str = ""):
         super().__init__(f"{leg} leg {kind} at {url}: {status or ''} {detail or body[:300]!r}".strip())
         self.leg, self.kind, self.url, self.status, self.body = leg, kind, url, status, body
+        self.detail = detail
 
 
 def transport_error(leg: Leg, url: str, exc: BaseException) -> LegError:
@@ -115,6 +122,8 @@ class Upstream:
                                          timeout=self.timeouts[leg], **NO_REDIRECTS) as resp:
                 if is_redirect(resp.status):
                     raise LegError(leg, "redirect", url, resp.status)
+                if encoded(resp):
+                    raise LegError(leg, "invalid", url, resp.status, detail="a compressed answer")
                 return Reply(resp.status, await resp.read(), url)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise transport_error(leg, url, exc) from exc
@@ -180,10 +189,11 @@ class Upstream:
             error = transport_error("decode", url, exc)
             self.metrics.leg_errors.labels("decode", error.kind).inc()
             raise error from exc
-        if is_redirect(resp.status):
+        if is_redirect(resp.status) or encoded(resp):
             resp.close()
-            self.metrics.leg_errors.labels("decode", "redirect").inc()
-            raise LegError("decode", "redirect", url, resp.status)
+            kind = "redirect" if is_redirect(resp.status) else "invalid"
+            self.metrics.leg_errors.labels("decode", kind).inc()
+            raise LegError("decode", kind, url, resp.status, detail="" if kind == "redirect" else "a compressed answer")
         if inflight is not None:
             inflight.urls.add(url)
         try:
