@@ -28,7 +28,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       failure_policy: fallback           # fallback: decode prefills locally; fail: 503
       min_prompt_tokens: 0               # shorter prompts skip the prefill leg (0: never skip)
     kv_connector: NixlConnector          # a name in disagg_sidecar.connectors.REGISTRY
-    timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600}
+    timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600, decode_idle_seconds: 300}
     retries: 1
     max_body_bytes: 16777216
     limits: {max_concurrent_requests: 512, deregister_seconds: 5, drain_seconds: 30, coalesce: true, session_stream_interval: 4,
@@ -238,11 +238,16 @@ class Prefill(Model):
 
 
 class Timeouts(Model):
+    """Deadlines per leg: each bounds the whole leg (connection, headers, every byte of the answer),
+    so an engine that trickles or falls silent holds no client and no slot past it."""
+
     connect_seconds: float = Field(5, gt=0)
-    render_seconds: float = Field(30, gt=0)
-    prefill_seconds: float = Field(120, gt=0)
-    decode_seconds: float = Field(3600, gt=0, description="Between two bytes of the decode leg, not in total.")
-    derender_seconds: float | None = Field(None, gt=0, description="None: `render_seconds`.")
+    render_seconds: float = Field(30, gt=0, description="The whole render leg.")
+    prefill_seconds: float = Field(120, gt=0, description="The whole prefill leg.")
+    decode_seconds: float = Field(3600, gt=0, description="The whole decode leg (a batch answer comes at its end).")
+    decode_idle_seconds: float = Field(300, gt=0, description="A streamed decode leg: the longest wait for its "
+                                       "headers, its first event and between two reads.")
+    derender_seconds: float | None = Field(None, gt=0, description="The whole derender call; None: `render_seconds`.")
 
 
 class Limits(Model):

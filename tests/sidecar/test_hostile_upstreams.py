@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import gzip
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import pytest
 import requests
 
 from tests.sidecar import upstreams as fake
-from tests.sidecar.support import SERVED, run_sidecar
+from disagg_sidecar.keys import STATE
+from tests.sidecar.support import SERVED, run_sidecar, wait_for
 from tests.sidecar.upstreams import Upstreams
 
 CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -427,3 +429,50 @@ def test_a_derender_answer_of_the_wrong_shape_is_an_error(ups: Upstreams, case: 
             assert resp.status_code in (200, 502) and error["message"].startswith(
                 "The derender tier answered with an invalid answer ("), (stream, error)
             assert_clean(resp, ups)
+
+
+# -- 5. deadlines --------------------------------------------------------------------------------------
+
+def timed_post(url: str, path: str, body: dict) -> tuple[requests.Response, float]:
+    started = time.monotonic()
+    resp = post(url, path, body, timeout=60)
+    return resp, time.monotonic() - started
+
+
+@pytest.mark.parametrize("leg", ["render", "prefill", "decode", "decode-stream-silent", "decode-stream-trickle"])
+def test_a_trickling_or_silent_engine_holds_no_client_or_slot_past_its_deadline(ups: Upstreams, leg: str) -> None:
+    """Each leg's deadline covers the whole leg: a byte every 0.2 s (the answer would take minutes)
+    or silence after the headers ends at the deadline, the slot given back."""
+    every = 0.2
+    if leg == "render":
+        ups.render.routes["/v1/chat/completions/render"] = fake.trickle(json.dumps(fake.rendered()).encode(), every)
+    elif leg == "prefill":
+        ups.prefill.routes["/inference/v1/generate"] = fake.trickle(json.dumps({"kv_transfer_params": None}).encode(),
+                                                                    every)
+    elif leg == "decode":
+        ups.decode.routes["/inference/v1/generate"] = fake.trickle(json.dumps(fake.text_answer(None)).encode(), every)
+    elif leg == "decode-stream-silent":
+        ups.decode.routes["/inference/v1/generate"] = fake.silent_after(fake.sse_bytes(fake.text_events()[:1], False))
+    else:  # bytes keep coming, but the whole stream takes longer than decode_seconds
+        ups.decode.routes["/inference/v1/generate"] = fake.trickle(fake.sse_bytes(fake.text_events()), every,
+                                                                   "text/event-stream")
+    timeouts = {"render_seconds": 1, "prefill_seconds": 1, "decode_seconds": 2, "decode_idle_seconds": 1}
+    with run_sidecar(fake.config(ups, timeouts=timeouts)) as sidecar:
+        resp, took = timed_post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": leg.startswith("decode-stream")})
+        assert took < 6, took
+        if leg.startswith("decode-stream"):  # cut like a decode engine that went away: vLLM's error event, [DONE]
+            if resp.status_code == 200:  # after the first event
+                events = read_stream(resp)
+                assert events[-1] == "[DONE]" and set(events[-2]) == {"error"}, events
+                error = events[-2]["error"]
+            else:  # before it
+                error = openai_error(resp)
+            assert error == {"message": "The decode engine failed: timeout", "type": "BadGatewayError",
+                             "param": None, "code": 502}, error
+        else:
+            assert resp.status_code in (502, 503), resp.text
+            assert "timeout" in openai_error(resp)["message"]
+        assert_clean(resp, ups)
+        assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=5), "the slot is given back"
+        ups.reset()
+        assert_healthy(sidecar, ups)

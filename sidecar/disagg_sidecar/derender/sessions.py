@@ -180,8 +180,9 @@ class SessionDerender:
             await self._resume()
 
     async def _session(self, url: str) -> None:
-        timeout = aiohttp.ClientTimeout(sock_connect=self.up.config.timeouts.connect_seconds,
-                                        sock_read=self.up.config.timeouts.decode_seconds)
+        t = self.up.config.timeouts
+        timeout = aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=t.connect_seconds,
+                                        sock_read=t.decode_idle_seconds)
         headers = {"Content-Type": "application/x-ndjson", wire.REQUEST_ID: self.request_id}
         async with self.up.session.post(url, data=self._body(), headers=headers, timeout=timeout,
                                      **NO_REDIRECTS) as resp:

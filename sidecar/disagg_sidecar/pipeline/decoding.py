@@ -58,7 +58,7 @@ class Decoder:
             self.metrics.output_modes.labels(mode).inc()
             try:
                 body = legs.decode_body(gen, kv, mode, decode_plan.context, chat_raw, self._stream_interval())
-                async with self.up.decode(body, ctx.headers, ctx.inflight) as resp:
+                async with self.up.decode(body, ctx.headers, ctx.inflight, stream=bool(gen.get("stream"))) as resp:
                     if resp.status == 200:
                         return mode, await read(resp, mode)
                     status, raw = resp.status, await resp.read()
@@ -113,7 +113,7 @@ class Decoder:
         self.metrics.output_modes.labels(decisions.answered_mode(body)).inc()
         try:
             async with self.up.decode(sse.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
-                                      ctx.inflight) as resp:
+                                      ctx.inflight, stream=bool(body.get("stream"))) as resp:
                 if resp.status != 200:
                     raise self.error(resp.status, await resp.read())
                 n = choices_of(body)

@@ -104,12 +104,16 @@ class Upstream:
         self.decode_url = config.decode.url
         t = config.timeouts
         connect = t.connect_seconds
+        # ``total`` covers the whole leg, the answer's body included (a trickle is cut there);
+        # a streamed decode leg also may not fall silent for longer than ``decode_idle_seconds``.
         self.timeouts: dict[Leg, aiohttp.ClientTimeout] = {
-            "render": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.render_seconds),
-            "prefill": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.prefill_seconds),
-            "decode": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.decode_seconds),
-            "derender": aiohttp.ClientTimeout(sock_connect=connect, sock_read=config.derender_timeout),
+            "render": aiohttp.ClientTimeout(total=t.render_seconds, sock_connect=connect),
+            "prefill": aiohttp.ClientTimeout(total=t.prefill_seconds, sock_connect=connect),
+            "decode": aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=connect),
+            "derender": aiohttp.ClientTimeout(total=config.derender_timeout, sock_connect=connect),
         }
+        self.stream_timeout = aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=connect,
+                                                    sock_read=t.decode_idle_seconds)
         self._background: set[asyncio.Task] = set()
 
     # -- one attempt ---------------------------------------------------------------------------
@@ -174,8 +178,8 @@ class Upstream:
     # -- the decode leg ------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def decode(self, body: bytes, headers: Mapping[str, str],
-                     inflight: InFlight | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def decode(self, body: bytes, headers: Mapping[str, str], inflight: InFlight | None = None,
+                     stream: bool = False) -> AsyncIterator[aiohttp.ClientResponse]:
         """The local engine's response, open; leaving the block early closes the connection
         (which makes vLLM abort the request)."""
         started = time.monotonic()
@@ -184,7 +188,8 @@ class Upstream:
             headers = inflight.headers
         try:
             resp = await self.session.post(url + wire.GENERATE, data=body, headers={**headers, **JSON_HEADERS},
-                                           timeout=self.timeouts["decode"], **NO_REDIRECTS)
+                                           timeout=self.stream_timeout if stream else self.timeouts["decode"],
+                                           **NO_REDIRECTS)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             error = transport_error("decode", url, exc)
             self.metrics.leg_errors.labels("decode", error.kind).inc()
