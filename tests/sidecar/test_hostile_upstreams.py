@@ -476,3 +476,37 @@ def test_a_trickling_or_silent_engine_holds_no_client_or_slot_past_its_deadline(
         assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=5), "the slot is given back"
         ups.reset()
         assert_healthy(sidecar, ups)
+
+
+# -- 6. sizes and numbers --------------------------------------------------------------------------------
+
+def test_an_answer_over_its_legs_size_bound_is_a_502_and_never_held_whole(ups: Upstreams) -> None:
+    big = {**fake.rendered(), "padding": "x" * (1 << 20)}
+    limits = {"render_answer_bytes": 1 << 17, "prefill_answer_bytes": 1 << 17, "decode_answer_bytes": 1 << 17}
+    with run_sidecar(fake.config(ups, limits=limits)) as sidecar:
+        for tier, path in ((ups.render, "/v1/chat/completions/render"), (ups.prefill, "/inference/v1/generate"),
+                           (ups.decode, "/inference/v1/generate")):
+            ups.reset()
+            tier.routes[path] = fake.answer_json(big)
+            resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+            assert resp.status_code == 502, resp.text
+            assert "answered with an answer over its size limit" in openai_error(resp)["message"]
+            assert_clean(resp, ups)
+        ups.reset()
+        assert_healthy(sidecar, ups)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/inference/v1/generate", {"token_ids": [2**63] * 20, "sampling_params": {"max_tokens": 1}}),
+    ("/inference/v1/generate", {"token_ids": [2**31], "sampling_params": {"max_tokens": 1}}),
+    ("/inference/v1/generate", {"token_ids": [-1, 5], "sampling_params": {"max_tokens": 1}}),
+    ("/v1/completions", {**COMPLETION, "prompt": [2**63] * 20}),
+    ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [2**64]]}),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"extra_args": ["kv_transfer_params"]}}),
+])
+def test_token_ids_no_vocabulary_has_are_a_400_before_any_leg(ups: Upstreams, path: str, body: dict) -> None:
+    with run_sidecar(fake.config(ups, prefill={"selection": "prefix-affinity", "affinity_block_tokens": 4})) as sidecar:
+        resp = post(sidecar.url, path, body)
+        assert resp.status_code == 400 and openai_error(resp)["type"] == "BadRequestError", resp.text
+        assert not any(u.posts() for u in ups.all()), "nothing was sent"
+        assert_healthy(sidecar, ups)

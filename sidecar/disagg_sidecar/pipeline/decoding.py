@@ -32,11 +32,12 @@ from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.pipeline.failures import invalid_answer, leg_failure, streamed_error
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream.client import LegError, Upstream, chunks
+from disagg_sidecar.upstream.client import LegError, Upstream, chunks, read_bounded
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+ERROR_BYTES = 1 << 20  # of a decode engine's error answer (summarised, never passed on)
 # The engine's 200 answer, still open, and the output mode it was asked for -> what the caller wants.
 Read = Callable[[aiohttp.ClientResponse, wire.OutputMode], Awaitable[T]]
 # A decode (or derender) chunk -> the client's chunk, None when it carries nothing for the client.
@@ -61,7 +62,7 @@ class Decoder:
                 async with self.up.decode(body, ctx.headers, ctx.inflight, stream=bool(gen.get("stream"))) as resp:
                     if resp.status == 200:
                         return mode, await read(resp, mode)
-                    status, raw = resp.status, await resp.read()
+                    status, raw = resp.status, await read_bounded(resp, "decode", self.up.decode_url, ERROR_BYTES)
             except LegError as exc:
                 raise leg_failure(exc) from exc
             if not decisions.retry_as_tokens(status, mode, decode_plan):
@@ -86,11 +87,14 @@ class Decoder:
     async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
                     ctx: Context, chat_raw: bytes | None) -> Any:
         """The decode answer, parsed and checked (``answers``: a 502 otherwise)."""
-        mode, raw = await self.call(gen, kv, decode_plan, ctx, chat_raw, lambda resp, _: resp.read())
+        mode, raw = await self.call(gen, kv, decode_plan, ctx, chat_raw, lambda resp, _: self._read(resp))
         answer = self._checked(raw, choices_of(gen))
         if decisions.answered_mode(answer) != mode:
             self.metrics.mode_fallbacks.labels(mode).inc()
         return answer
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        return await read_bounded(resp, "decode", self.up.decode_url, self.config.limits.decode_answer_bytes)
 
     def _checked(self, raw: bytes, n: int) -> Any:
         try:
@@ -115,10 +119,10 @@ class Decoder:
             async with self.up.decode(sse.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
                                       ctx.inflight, stream=bool(body.get("stream"))) as resp:
                 if resp.status != 200:
-                    raise self.error(resp.status, await resp.read())
+                    raise self.error(resp.status, await read_bounded(resp, "decode", self.up.decode_url, ERROR_BYTES))
                 n = choices_of(body)
                 if not body.get("stream"):
-                    raw = await resp.read()
+                    raw = await self._read(resp)
                     self._checked(raw, n)
                     return web.Response(body=raw, status=resp.status, content_type="application/json",
                                         headers=ctx.response_headers())

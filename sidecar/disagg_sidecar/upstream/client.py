@@ -73,6 +73,19 @@ async def chunks(resp: aiohttp.ClientResponse, leg: Leg, url: str) -> AsyncItera
         raise transport_error(leg, url, exc) from exc
 
 
+async def read_bounded(resp: aiohttp.ClientResponse, leg: Leg, url: str, limit: int) -> bytes:
+    """The whole body, refused (``LegError`` kind ``oversize``) as soon as it passes ``limit``:
+    an engine's answer is never held beyond its leg's bound (``limits.*_answer_bytes``)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise LegError(leg, "oversize", url, resp.status, detail=f"{resp.content_length} bytes")
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise LegError(leg, "oversize", url, resp.status, detail=f"over {limit} bytes")
+    return bytes(body)
+
+
 @dataclass
 class Reply:
     status: int
@@ -112,6 +125,9 @@ class Upstream:
             "decode": aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=connect),
             "derender": aiohttp.ClientTimeout(total=config.derender_timeout, sock_connect=connect),
         }
+        lim = config.limits
+        self.answer_bytes: dict[Leg, int] = {"render": lim.render_answer_bytes, "prefill": lim.prefill_answer_bytes,
+                                             "decode": lim.decode_answer_bytes, "derender": lim.derender_answer_bytes}
         self.stream_timeout = aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=connect,
                                                     sock_read=t.decode_idle_seconds)
         self._background: set[asyncio.Task] = set()
@@ -128,7 +144,7 @@ class Upstream:
                     raise LegError(leg, "redirect", url, resp.status)
                 if encoded(resp):
                     raise LegError(leg, "invalid", url, resp.status, detail="a compressed answer")
-                return Reply(resp.status, await resp.read(), url)
+                return Reply(resp.status, await read_bounded(resp, leg, url, self.answer_bytes[leg]), url)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise transport_error(leg, url, exc) from exc
         finally:
