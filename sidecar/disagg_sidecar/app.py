@@ -179,7 +179,7 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     source = make_source(config.prefill.discovery if config.prefill.mode == "remote" else None)
     await source.start()
     connector = aiohttp.TCPConnector(
-        limit=0,  # the sidecar's own concurrency limit bounds this
+        limit=config.limits.max_upstream_connections,  # more wait for one (within their leg's deadline)
         keepalive_timeout=config.limits.keepalive_seconds,  # below vLLM's 5 s (uvicorn closes idle ones)
         ttl_dns_cache=10,
         **({"ssl": context} if (context := tls.client_context(config)) else {}),

@@ -272,6 +272,8 @@ class Limits(Model):
                                                                          "body byte; beyond: 503 + Retry-After.")
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
     max_logprobs: int | None = Field(None, ge=-1, description="Logprobs a client may ask for; None: the engines' limit.")
+    max_upstream_connections: int = Field(1024, ge=8, description="Connections to the engines at once, every tier "
+                                          "together; more legs wait for one (within their deadline).")
     # Upstream answers (docs/security.md, "Upstream answers"): larger ones are a 502, never held whole.
     render_answer_bytes: int = Field(64 << 20, ge=1 << 16, description="A render (or tokenizer) answer.")
     prefill_answer_bytes: int = Field(4 << 20, ge=1 << 16, description="A prefill answer (one token, KV params).")

@@ -8,14 +8,19 @@ is healthy after.
 from __future__ import annotations
 
 import ast
+import asyncio
 import gzip
 import json
+import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
+from aiohttp import web
 
 from tests.sidecar import upstreams as fake
 from disagg_sidecar.keys import STATE
@@ -510,3 +515,69 @@ def test_token_ids_no_vocabulary_has_are_a_400_before_any_leg(ups: Upstreams, pa
         assert resp.status_code == 400 and openai_error(resp)["type"] == "BadRequestError", resp.text
         assert not any(u.posts() for u in ups.all()), "nothing was sent"
         assert_healthy(sidecar, ups)
+
+
+# -- 7. probes, metrics and the drain hook -----------------------------------------------------------------
+
+def _drained_from(url: str, source: str, got: list) -> threading.Thread:
+    """GET /health/drained from the loopback address ``source`` (as another host would ask)."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+
+    def run() -> None:
+        with socket.create_connection((host, int(port)), timeout=30, source_address=(source, 0)) as s:
+            s.sendall(b"GET /health/drained HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        got.append((source, int(data.split(b" ", 2)[1]), time.monotonic()))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_drain_hook_cannot_be_exhausted_from_other_addresses(ups: Upstreams) -> None:
+    """Many waiters from other addresses (each gets one; more from one address: 429) do not turn
+    away the hook's request from the node's address: it waits for the SIGTERM like any first one."""
+    with run_sidecar(fake.config(ups)) as sidecar:
+        got: list = []
+        started = time.monotonic()
+        attackers = [_drained_from(sidecar.url, f"127.0.0.{i}", got) for i in range(2, 8) for _ in range(2)]
+        assert wait_for(lambda: sum(1 for _, status, _ in got if status == 429) == 6, timeout=5), got
+        kubelet = _drained_from(sidecar.url, "127.0.0.100", got)
+        for t in [*attackers, kubelet]:
+            t.join(30)
+        by_source = {source: status for source, status, _ in got if status != 429}
+        assert by_source["127.0.0.100"] == 409, got  # waited for a SIGTERM, was not turned away
+        assert sorted(status for _, status, _ in got) == [409] * 7 + [429] * 6
+        assert time.monotonic() - started < 20
+
+
+def test_concurrent_scrapes_share_one_engine_metrics_fetch(ups: Upstreams) -> None:
+    text = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
+
+    async def slow_metrics(request, body):
+        await asyncio.sleep(0.5)  # a slow engine: the scrapes overlap
+        return web.Response(text=text, content_type="text/plain")
+
+    ups.decode.routes["/metrics"] = slow_metrics
+    with run_sidecar(fake.config(ups, metrics={"include_engine": True, "engine_max_age_seconds": 0})) as sidecar:
+        with ThreadPoolExecutor(50) as pool:
+            answers = list(pool.map(lambda _: requests.get(sidecar.url + "/metrics", timeout=30), range(50)))
+        assert all(a.status_code == 200 and "vllm:num_requests_running 3" in a.text for a in answers)
+        fetches = sum(1 for c in ups.decode.calls if c.path == "/metrics")
+        assert 1 <= fetches <= 5, fetches
+
+
+def test_models_takes_a_slot(ups: Upstreams) -> None:
+    async def slow_models(request, body):
+        await asyncio.sleep(1)
+        return web.json_response({"object": "list", "data": [{"id": SERVED}]})
+
+    ups.decode.routes["/v1/models"] = slow_models
+    with run_sidecar(fake.config(ups, limits={"max_concurrent_requests": 2})) as sidecar:
+        with ThreadPoolExecutor(6) as pool:
+            statuses = sorted(pool.map(lambda _: requests.get(sidecar.url + "/v1/models", timeout=30).status_code,
+                                       range(6)))
+        assert statuses.count(200) >= 2 and statuses.count(503) >= 2, statuses
+        assert sum(1 for c in ups.decode.calls if c.path == "/v1/models") <= 2 + 1  # + the startup probe's

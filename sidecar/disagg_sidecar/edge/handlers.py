@@ -220,7 +220,9 @@ async def live(request: web.Request) -> web.Response:
 
 
 SIGTERM_ALLOWANCE_SECONDS = 5.0  # kubelet signals the sidecar and runs the hook at about the same time
-MAX_DRAINED_WAITERS = 4  # kubelet sends one; an open path must not let anyone hold many connections
+# Kubelet sends one, from the node's address; an open path must not let anyone hold many
+# connections, nor use up a shared allowance (which would turn kubelet's hook away): per address.
+MAX_DRAINED_WAITERS = 1
 
 
 async def drained(request: web.Request) -> web.Response:
@@ -229,11 +231,13 @@ async def drained(request: web.Request) -> web.Response:
     flight, so kubelet signals vLLM only when no leg can reach it any more (at most the sidecar's
     ``limits.stop_seconds``: it stops then). Asked while the sidecar is not stopping, it answers 409
     after ``SIGTERM_ALLOWANCE_SECONDS`` (the hook's request may come before the sidecar's SIGTERM);
-    beyond ``MAX_DRAINED_WAITERS`` at once, 429 at once."""
+    beyond ``MAX_DRAINED_WAITERS`` at once from one address, 429 at once (other addresses, the
+    node's kubelet among them, are not affected)."""
     state = request.app[STATE]
-    if state.drained_waiters >= MAX_DRAINED_WAITERS:
-        raise SidecarError(429, f"{MAX_DRAINED_WAITERS} requests already wait on /health/drained")
-    state.drained_waiters += 1
+    source = request.remote or ""
+    if state.drained_waiters[source] >= MAX_DRAINED_WAITERS:
+        raise SidecarError(429, f"{MAX_DRAINED_WAITERS} request(s) from this address already wait on /health/drained")
+    state.drained_waiters[source] += 1
     try:
         await asyncio.wait_for(state.stopping.wait(), SIGTERM_ALLOWANCE_SECONDS)
         await state.drained.wait()
@@ -241,7 +245,9 @@ async def drained(request: web.Request) -> web.Response:
         raise SidecarError(409, "this sidecar is not stopping: /health/drained is the decode engine's "
                                 "preStop hook") from None
     finally:
-        state.drained_waiters -= 1
+        state.drained_waiters[source] -= 1
+        if not state.drained_waiters[source]:
+            del state.drained_waiters[source]
     return web.json_response({"status": "drained"})
 
 

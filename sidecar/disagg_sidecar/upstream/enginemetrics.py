@@ -55,6 +55,7 @@ class EngineMetrics:
     def __init__(self, up: Upstream, metrics: Metrics, config: Exposition) -> None:
         self.up, self.metrics, self.config = up, metrics, config
         self._part: tuple[float, str] | None = None  # (monotonic time fetched, engine part)
+        self._fetching: asyncio.Future[bytes] | None = None
 
     async def render(self) -> bytes:
         own = self.metrics.render()
@@ -62,7 +63,21 @@ class EngineMetrics:
             return own
         if self._part is not None and time.monotonic() - self._part[0] < self.config.engine_max_age_seconds:
             return own + self._part[1].encode()
+        # One fetch at a time, shared by every scrape that comes meanwhile (single flight): a
+        # hundred scrapers cost the engine one request, and the sidecar one parse.
+        if self._fetching is None:
+            self._fetching = asyncio.ensure_future(self._fetch_and_render())
+            self._fetching.add_done_callback(self._fetched)
+        return await asyncio.shield(self._fetching)
+
+    def _fetched(self, future: asyncio.Future[bytes]) -> None:
+        self._fetching = None
+        if not future.cancelled():
+            future.exception()  # retrieved: a failure was the fetch's, each scrape sees it
+
+    async def _fetch_and_render(self) -> bytes:
         fetched = time.monotonic()
+        own = self.metrics.render()
         try:
             part = exposition.engine_part(own.decode(), await _fetch(self.up, self.config.engine_timeout_seconds))
         except LookupError as exc:
