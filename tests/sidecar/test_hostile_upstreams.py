@@ -581,3 +581,88 @@ def test_models_takes_a_slot(ups: Upstreams) -> None:
                                        range(6)))
         assert statuses.count(200) >= 2 and statuses.count(503) >= 2, statuses
         assert sum(1 for c in ups.decode.calls if c.path == "/v1/models") <= 2 + 1  # + the startup probe's
+
+
+# -- 8. smaller client-side items ------------------------------------------------------------------------
+
+def raw_exchange(url: str, head: bytes, body: bytes = b"", wait_first: bool = False) -> bytes:
+    """Send ``head`` (and ``body``, after the first answer bytes with ``wait_first``); all answered bytes."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head)
+        first = s.recv(65536)
+        if body and wait_first and first.startswith(b"HTTP/1.1 100"):
+            s.sendall(body)
+        elif body and not wait_first:
+            s.sendall(body)
+        data = first
+        while b"\r\n\r\n" not in data.split(b"HTTP/1.1 100 Continue\r\n\r\n")[-1] or len(data) < 20:
+            if not (chunk := s.recv(65536)):
+                break
+            data += chunk
+        return data
+
+
+def test_expect_headers(ups: Upstreams, tmp_path: Path) -> None:
+    body = json.dumps(CHAT).encode()
+
+    def head(expect: str, key: str | None = None) -> bytes:
+        auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nExpect: {expect}\r\n{auth}Connection: close\r\n\r\n").encode()
+
+    with run_sidecar(fake.config(ups)) as sidecar:
+        answer = raw_exchange(sidecar.url, head("foo"))
+        assert answer.startswith(b"HTTP/1.1 417") and b"application/json" in answer, answer[:300]
+        assert b'"Expect supports only 100-continue"' in answer
+        answer = raw_exchange(sidecar.url, head("100-continue"), body, wait_first=True)
+        assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in answer, answer[:300]
+    keyfile = tmp_path / "client-key"
+    keyfile.write_text("sekrit")
+    with run_sidecar(fake.config(ups, auth={"client_api_key_file": str(keyfile)})) as sidecar:
+        before = len(ups.render.posts())
+        answer = raw_exchange(sidecar.url, head("100-continue"), body, wait_first=True)
+        assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, answer[:300]
+        assert len(ups.render.posts()) == before
+        answer = raw_exchange(sidecar.url, head("100-continue", "sekrit"), body, wait_first=True)
+        assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in answer, answer[:300]
+
+
+def test_numbers_no_double_holds_are_a_400(ups: Upstreams) -> None:
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for body in (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}',
+                     b'{"model": "m", "prompt": "hi", "top_p": -1E+999}'):
+            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+            resp = requests.post(sidecar.url + path, data=body, headers={"Content-Type": "application/json"},
+                                 timeout=30)
+            assert resp.status_code == 400 and "out of range" in openai_error(resp)["message"], resp.text
+        assert not any(u.posts() for u in ups.all())
+
+
+def test_an_invalid_traceparent_is_not_forwarded(ups: Upstreams) -> None:
+    valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for value, forwarded in ((valid, True), ("00-" + "0" * 32 + "-00f067aa0ba902b7-01", False),
+                                 ("00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01", False),
+                                 ("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", False),
+                                 ("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", False)):
+            ups.reset()
+            resp = requests.post(sidecar.url + "/v1/chat/completions", json=CHAT, headers={"traceparent": value},
+                                 timeout=30)
+            assert resp.status_code == 200, resp.text
+            for up in (ups.render, ups.prefill, ups.decode):
+                (call,) = up.posts()
+                assert (call.headers.get("traceparent") == value) if forwarded else "traceparent" not in {
+                    k.lower() for k in call.headers}, (value, call.headers)
+
+
+def test_a_float_logprobs_is_held_to_the_limit(ups: Upstreams) -> None:
+    with run_sidecar(fake.config(ups, limits={"max_logprobs": 5})) as sidecar:
+        for logprobs in (25.0, 6.0):
+            resp = post(sidecar.url, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
+                "max_tokens": 1, "logprobs": logprobs}})
+            assert resp.status_code == 400 and "greater than max allowed: 5" in openai_error(resp)["message"]
+        assert not any(u.posts() for u in ups.all())
+        ok = post(sidecar.url, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
+            "max_tokens": 1, "logprobs": 5.0}})
+        assert ok.status_code == 200, ok.text

@@ -40,6 +40,14 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 _TRACESTATE_MAX = 512
 
 
+def valid_traceparent(value: str) -> bool:
+    """W3C trace context: the shape, and no all-zero trace or parent id, no version ff."""
+    if not _TRACEPARENT.match(value):
+        return False
+    version, trace, parent, _ = value.split("-")
+    return version != "ff" and trace != "0" * 32 and parent != "0" * 16
+
+
 def _too_large(limit: int) -> SidecarError:
     return SidecarError(413, f"request body larger than {limit} bytes (max_body_bytes)",
                         type_="RequestEntityTooLargeError")
@@ -99,7 +107,7 @@ def context(request: web.Request, body: Any) -> Context:
     request_id, engine_id = (ids[0], f"{ids[0]}-{uuid.uuid4().hex[:12]}") if ids else (uuid.uuid4().hex, None)
     headers = {wire.REQUEST_ID: request_id}
     traceparent = request.headers.get(wire.TRACEPARENT)
-    if traceparent and _TRACEPARENT.match(traceparent):  # an invalid one is dropped, as W3C says
+    if traceparent and valid_traceparent(traceparent):  # an invalid one is dropped, as W3C says
         headers[wire.TRACEPARENT] = traceparent
         if (tracestate := request.headers.get(wire.TRACESTATE)) and len(tracestate) <= _TRACESTATE_MAX:
             headers[wire.TRACESTATE] = tracestate

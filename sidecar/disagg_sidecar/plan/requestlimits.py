@@ -69,6 +69,8 @@ def check_logprobs(sampling_params: Any, limit: int | None) -> None:
         return
     for key, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         k = sampling_params.get(key)
+        if type(k) is float and k.is_integer():
+            k = int(k)  # what the engine's pydantic makes of 25.0
         if type(k) is int and (k > limit or k == -1):
             asked = "the whole vocabulary (-1)" if k == -1 else k
             raise bad_request(f"Requested {what} logprobs of {asked}, which is greater than max allowed: {limit} "
