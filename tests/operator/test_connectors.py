@@ -81,6 +81,8 @@ def test_the_plan_reads_roles_engine_class_shared_directory_side_channel_and_gua
             "fieldRef": {"fieldPath": "status.podIP"}}
         assert pool.kv_shared_path == KV_SHARED_PATH
     assert plan.pool(Role.PREFILL).side_channel_ports == (5700, 5701)
+    # The sidecar accepts kv_transfer_params naming exactly those ports (connectors.PrefilledAt).
+    assert plan.sidecar.config.prefill.side_channel_ports == (5700, 5701)
     assert "TEST_KV_HOST" not in env(plan.pool(Role.RENDER)) and plan.pool(Role.RENDER).kv_shared_path is None
     # full_spec's engines request GPUs: block size 16.
     assert plan.min_prompt_tokens == 48
