@@ -149,6 +149,34 @@ def signal_group(pid: int, sig: int) -> None:
         pass
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid`` (also once its leader is gone: a vLLM engine core
+    stays in its API server's group, reparented to init, when only the server was killed)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def reap_group(pgid: int) -> None:
+    """KILL what is left of a process group whose leader has exited (before it is started again:
+    an orphaned engine core holds its memory and devices), and reap the leader if it is ours."""
+    if group_members(pgid):
+        signal_group(pgid, signal.SIGKILL)
+    else:
+        try:
+            os.waitpid(pgid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
 def poll_until(ready: Callable[[], bool], timeout: float, interval: float = 0.2,
                check: Callable[[], None] | None = None) -> bool:
     """Call ``ready`` until it returns true (True) or ``timeout`` seconds pass (False); ``check``

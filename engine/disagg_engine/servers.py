@@ -19,7 +19,8 @@ from pathlib import Path
 
 # The process and port primitives live in processes.py; these names are imported from here too.
 from disagg_engine.processes import (  # noqa: F401
-    free_port, log_tail, pid_alive, poll_until, port_in_use, signal_group, start_logged, stop_group,
+    free_port, group_members, log_tail, pid_alive, poll_until, port_in_use, reap_group, signal_group, start_logged,
+    stop_group,
 )
 
 

@@ -109,7 +109,8 @@ def _sidecar_config(spec: DisaggregatedModelSpec, served_name: str, kv: KVPlan, 
     return sidecar_config.build(spec, served_name=served_name, endpoints=endpoints, kv_connector=kv.name,
                                 prefill_tokens_only=render_tier, listen=listen,
                                 derender_sessions=derender.derender_sessions(spec, render_tier),
-                                min_prompt_tokens=kv.min_prompt_tokens, block_tokens=kv.block_tokens)
+                                min_prompt_tokens=kv.min_prompt_tokens, block_tokens=kv.block_tokens,
+                                side_channel_ports=kv.side_channel_env(spec.pools.prefill)[1])
 
 
 def _active(pool: PoolSpec | None) -> bool:

@@ -79,7 +79,7 @@ def _tier(url: str | None) -> Tier:
 def build(
     spec: DisaggregatedModelSpec, *, served_name: str, endpoints: Endpoints, kv_connector: str | None,
     prefill_tokens_only: bool, listen: Listen, derender_sessions: bool, min_prompt_tokens: int = 0,
-    block_tokens: int = 16,
+    block_tokens: int = 16, side_channel_ports: tuple[int, ...] = (),
 ) -> SidecarConfig:
     """``derender_sessions``: the render tier may offer them (``derender.derender_sessions``);
     ``min_prompt_tokens``: the shortest prompt the KV connector carries; ``block_tokens``: the
@@ -97,6 +97,9 @@ def build(
                if router.prefill_selection == "prefix-affinity" else {}),
             # Shorter prompts: the KV connector cannot carry them, or the user finds decode cheaper.
             **({"min_prompt_tokens": shortest} if (shortest := max(min_prompt_tokens, router.min_prefill_tokens)) else {}),
+            # What the prefill engines' kv_transfer_params may name (the sidecar's default: vLLM's 5600 alone).
+            **({"side_channel_ports": side_channel_ports}
+               if side_channel_ports and side_channel_ports != Prefill.model_fields["side_channel_ports"].default else {}),
         )
     t = router.timeouts
     keys = auth(spec)

@@ -34,7 +34,7 @@ from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.pipeline.poollegs import PoolLegs
 from disagg_sidecar.state import DecodeAnswers, SidecarState
-from disagg_sidecar.upstream.client import PROBE_TIMEOUT, Upstream
+from disagg_sidecar.upstream.client import NO_REDIRECTS, PROBE_TIMEOUT, Upstream
 
 log = logging.getLogger("disagg_sidecar")
 access_log = logging.getLogger("disagg_sidecar.access")
@@ -103,7 +103,7 @@ _SERVING_CHECK = {"prompt": [0, 0], "max_tokens": 1}
 async def _decode_health(up: Upstream) -> tuple[bool, bool]:
     """(healthy, refused): a refused connection means the engine's process is gone."""
     try:
-        async with up.session.get(up.decode_url + wire.HEALTH, timeout=PROBE_TIMEOUT) as resp:
+        async with up.session.get(up.decode_url + wire.HEALTH, timeout=PROBE_TIMEOUT, **NO_REDIRECTS) as resp:
             await resp.read()
             return resp.status == 200, False
     except aiohttp.ClientConnectorError:
@@ -118,7 +118,7 @@ async def _decode_serves(up: Upstream, model: str | None) -> bool:
     body = {**_SERVING_CHECK, **({"model": model} if model else {})}
     try:
         async with up.session.post(up.decode_url + wire.COMPLETIONS, json=body,
-                                   timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                                   timeout=aiohttp.ClientTimeout(total=30), **NO_REDIRECTS) as resp:
             await resp.read()
             return resp.status < 500
     except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -190,7 +190,7 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     source = make_source(config.prefill.discovery if config.prefill.mode == "remote" else None)
     await source.start()
     connector = aiohttp.TCPConnector(
-        limit=0,  # the sidecar's own concurrency limit bounds this
+        limit=config.limits.max_upstream_connections,  # more wait for one (within their leg's deadline)
         keepalive_timeout=config.limits.keepalive_seconds,  # below vLLM's 5 s (uvicorn closes idle ones)
         ttl_dns_cache=10,
         **({"ssl": context} if (context := tls.client_context(config)) else {}),
@@ -234,15 +234,16 @@ def build_app(config: SidecarConfig) -> web.Application:
     app[METRICS].in_flight.set_function(lambda: state.in_flight)  # read at scrape time
     app.cleanup_ctx.append(_upstreams)
     app.on_response_prepare.append(close_when_draining)
-    app.router.add_post(wire.CHAT, handlers.chat)
-    app.router.add_post(wire.COMPLETIONS, handlers.completions)
-    app.router.add_post(wire.GENERATE, handlers.generate)
-    app.router.add_post(wire.MESSAGES, handlers.messages)
-    app.router.add_post(wire.MESSAGES_COUNT_TOKENS, handlers.count_tokens)
-    app.router.add_post(wire.RESPONSES, handlers.responses)
+    expect = auth.expect_handler(config)
+    app.router.add_post(wire.CHAT, handlers.chat, expect_handler=expect)
+    app.router.add_post(wire.COMPLETIONS, handlers.completions, expect_handler=expect)
+    app.router.add_post(wire.GENERATE, handlers.generate, expect_handler=expect)
+    app.router.add_post(wire.MESSAGES, handlers.messages, expect_handler=expect)
+    app.router.add_post(wire.MESSAGES_COUNT_TOKENS, handlers.count_tokens, expect_handler=expect)
+    app.router.add_post(wire.RESPONSES, handlers.responses, expect_handler=expect)
     app.router.add_get(wire.RESPONSES + "/{response_id}", handlers.responses)
-    app.router.add_post(wire.RESPONSES + "/{response_id}/cancel", handlers.responses)
-    app.router.add_get(wire.MODELS, handlers.models)
+    app.router.add_post(wire.RESPONSES + "/{response_id}/cancel", handlers.responses, expect_handler=expect)
+    app.router.add_get(wire.MODELS, handlers.models, expect_handler=expect)
     app.router.add_get(wire.HEALTH, handlers.health)
     app.router.add_get(wire.LIVE, handlers.live)
     app.router.add_get(wire.DRAINED, handlers.drained)

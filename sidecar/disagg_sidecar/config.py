@@ -28,7 +28,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       failure_policy: fallback           # fallback: decode prefills locally; fail: 503
       min_prompt_tokens: 0               # shorter prompts skip the prefill leg (0: never skip)
     kv_connector: NixlConnector          # a name in disagg_sidecar.connectors.REGISTRY
-    timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600}
+    timeouts: {connect_seconds: 5, render_seconds: 30, prefill_seconds: 120, decode_seconds: 3600, decode_idle_seconds: 300}
     retries: 1
     max_body_bytes: 16777216
     limits: {max_concurrent_requests: 512, deregister_seconds: 5, drain_seconds: 30, coalesce: true, session_stream_interval: 4,
@@ -49,7 +49,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -226,6 +226,9 @@ class Prefill(Model):
     failure_policy: Literal["fallback", "fail"] = "fallback"
     tokens_only: bool | None = Field(None, description="Prefill pool runs --tokens-only; None: `engine.prefill_tokens_only`.")
     min_prompt_tokens: int = Field(0, ge=0, description="Prompts shorter than this skip the prefill leg.")
+    side_channel_ports: tuple[Annotated[int, Field(ge=1, le=65535)], ...] = Field(
+        (5600,), description="The prefill engines' KV side-channel ports (NIXL: one per data-parallel rank, "
+        "vLLM's default 5600): a prefill answer's kv_transfer_params naming another port never reach decode.")
 
     @model_validator(mode="after")
     def _discovery(self) -> Prefill:
@@ -235,11 +238,16 @@ class Prefill(Model):
 
 
 class Timeouts(Model):
+    """Deadlines per leg: each bounds the whole leg (connection, headers, every byte of the answer),
+    so an engine that trickles or falls silent holds no client and no slot past it."""
+
     connect_seconds: float = Field(5, gt=0)
-    render_seconds: float = Field(30, gt=0)
-    prefill_seconds: float = Field(120, gt=0)
-    decode_seconds: float = Field(3600, gt=0, description="Between two bytes of the decode leg, not in total.")
-    derender_seconds: float | None = Field(None, gt=0, description="None: `render_seconds`.")
+    render_seconds: float = Field(30, gt=0, description="The whole render leg.")
+    prefill_seconds: float = Field(120, gt=0, description="The whole prefill leg.")
+    decode_seconds: float = Field(3600, gt=0, description="The whole decode leg (a batch answer comes at its end).")
+    decode_idle_seconds: float = Field(300, gt=0, description="A streamed decode leg: the longest wait for its "
+                                       "headers, its first event and between two reads.")
+    derender_seconds: float | None = Field(None, gt=0, description="The whole derender call; None: `render_seconds`.")
 
 
 class Limits(Model):
@@ -264,6 +272,14 @@ class Limits(Model):
                                                                          "body byte; beyond: 503 + Retry-After.")
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
     max_logprobs: int | None = Field(None, ge=-1, description="Logprobs a client may ask for; None: the engines' limit.")
+    max_upstream_connections: int = Field(1024, ge=8, description="Connections to the engines at once, every tier "
+                                          "together; more legs wait for one (within their deadline).")
+    # Upstream answers (docs/security.md, "Upstream answers"): larger ones are a 502, never held whole.
+    render_answer_bytes: int = Field(64 << 20, ge=1 << 16, description="A render (or tokenizer) answer.")
+    prefill_answer_bytes: int = Field(4 << 20, ge=1 << 16, description="A prefill answer (one token, KV params).")
+    decode_answer_bytes: int = Field(64 << 20, ge=1 << 16, description="A batch decode answer.")
+    derender_answer_bytes: int = Field(64 << 20, ge=1 << 16, description="A derender answer.")
+    upstream_event_bytes: int = Field(16 << 20, ge=1 << 16, description="One event of an upstream stream.")
 
     @property
     def stop_seconds(self) -> float:

@@ -36,8 +36,12 @@ class SidecarError(Exception):
     """A request-level failure with the status, body and headers the client gets."""
 
     def __init__(self, status: int, message: str, *, type_: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None, body: bytes | None = None):
+                 code: str | int | None = None, headers: Mapping[str, str] | None = None, body: bytes | None = None,
+                 done: bool = True):
         super().__init__(message)
+        # After a stream's first byte: whether ``[DONE]`` follows the error event (as vLLM sends it);
+        # not when an upstream stream ended without its own end, so no client takes it for complete.
+        self.done = done
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
@@ -45,18 +49,39 @@ class SidecarError(Exception):
 
     @classmethod
     def upstream(cls, status: int, body: bytes, leg: str) -> SidecarError:
-        """An engine's own 4xx answer, passed through unchanged when it is already OpenAI-shaped.
-        A 5xx body (tracebacks, addresses) never reaches the client."""
-        if status >= 500:
-            return cls(502, f"The {leg} tier failed (status {status})", type_="BadGatewayError")
-        try:
-            parsed = json.loads(body)
-            if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-                return cls(status, str(parsed["error"].get("message")), body=body)
-        except ValueError:
-            pass
-        text = body.decode(errors="replace")[:2000]
-        return cls(status, f"{leg} leg answered {status}: {text}")
+        """An engine's answer other than 200, summarised: a 4xx in OpenAI's shape keeps its status and
+        its fields (vLLM's own message, as the coupled server gives it), rebuilt from them; any other
+        body (a proxy's HTML page, a traceback, pod names and addresses) never reaches the client.
+        401/403 are the engine refusing the sidecar's engine key, not the client's: a 502."""
+        who = "decode engine" if leg == "decode" else f"{leg} tier"
+        if status in (401, 403, 407):
+            return cls(502, f"The {who} refused the sidecar's engine key (status {status})", type_="BadGatewayError")
+        if not 400 <= status < 500:
+            return cls(502, f"The {who} failed (status {status})", type_="BadGatewayError")
+        fields = openai_error_fields(body)
+        if fields is None:
+            return cls(status, f"The {who} refused the request (status {status})")
+        message, type_, param, code = fields
+        return cls(status, message, type_=type_, param=param, code=code)
+
+
+def openai_error_fields(body: bytes) -> tuple[str, str | None, str | None, str | int | None] | None:
+    """(message, type, param, code) of an OpenAI-shaped error body with fields of the right types,
+    the message cut to ``MAX_UPSTREAM_MESSAGE`` characters; None for anything else."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return None
+    type_, param, code = error.get("type"), error.get("param"), error.get("code")
+    return (error["message"][:MAX_UPSTREAM_MESSAGE], type_ if isinstance(type_, str) else None,
+            param if isinstance(param, str) else None,
+            code if isinstance(code, (str, int)) and not isinstance(code, bool) else None)
+
+
+MAX_UPSTREAM_MESSAGE = 4096
 
 
 def bad_request(message: str, param: str | None = None) -> SidecarError:

@@ -11,11 +11,18 @@ from disagg_sidecar import wire
 Chunk = dict[str, Any]
 
 
-class SSEParser:
-    """Incremental parser: ``feed(bytes)`` returns the ``data`` payloads of complete events."""
+class EventTooLarge(ValueError):
+    """An upstream event longer than the parser's bound, or no event separator within it."""
 
-    def __init__(self) -> None:
+
+class SSEParser:
+    """Incremental parser: ``feed(bytes)`` returns the ``data`` payloads of complete events. With
+    ``max_event``, an incomplete event that grows past it raises ``EventTooLarge`` (the buffer is
+    what an upstream without separators would make the sidecar hold)."""
+
+    def __init__(self, max_event: int | None = None) -> None:
         self._buf = b""
+        self.max_event = max_event
 
     def feed(self, data: bytes) -> list[bytes]:
         split_crlf = self._buf.endswith(b"\r")
@@ -23,7 +30,15 @@ class SSEParser:
         if split_crlf or b"\r" in data:
             self._buf = self._buf.replace(b"\r\n", b"\n")  # a CRLF may be split across reads
         *events, self._buf = self._buf.split(b"\n\n")
+        if self.max_event is not None and (len(self._buf) > self.max_event
+                                           or any(len(e) > self.max_event for e in events)):
+            raise EventTooLarge(f"an event of more than {self.max_event} bytes")
         return [p for p in map(_payload, events) if p is not None]
+
+    @property
+    def pending(self) -> bool:
+        """Bytes of an event not complete yet (other than blank lines)."""
+        return bool(self._buf.strip())
 
     def flush(self) -> list[bytes]:
         rest, self._buf = self._buf, b""

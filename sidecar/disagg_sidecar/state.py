@@ -10,6 +10,7 @@ send the engine one real request (``serving_check``), and readiness stays off un
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ class SidecarState:
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # SIGTERM came (``draining`` is set)
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # nothing in flight any more: vLLM may stop
-    drained_waiters: int = 0  # requests waiting on /health/drained (handlers.drained)
+    drained_waiters: Counter[str] = field(default_factory=Counter)  # per address: waiting on /health/drained
 
     def __post_init__(self) -> None:
         self.budget = MemoryBudget(self.config.limits.memory_budget_bytes)

@@ -103,3 +103,37 @@ def test_down_of_a_healthy_deployment_removes_everything(tmp_path):
     deployment, servers = _deployment(tmp_path / "state", SLEEP)
     assert down(tmp_path / "state") == (["p-0"], None)
     assert not (tmp_path / "state").exists() and not servers[0].alive()
+
+
+# A server whose own child stays in its process group, as vLLM's engine core does: it prints the
+# child's pid, then serves (sleeps).
+WITH_CORE = [sys.executable, "-c", "import subprocess, sys, time\n"
+             "core = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+             "print('core', core.pid, flush=True)\ntime.sleep(600)"]
+
+
+def test_a_killed_server_leaves_no_process_of_its_group_behind_its_restart(tmp_path):
+    """SIGKILL of the server process only (its core is orphaned to init, still in the group): the
+    supervisor kills what is left of the group before it starts the server again."""
+    import os
+    import signal
+
+    from disagg_engine.servers import group_members
+
+    spec = ServerSpec("cored-0", WITH_CORE, free_port())
+    first = start(spec, tmp_path)
+    member = Member(spec.name, spec, first.pid, first.log_path, first.proc)
+    sup = Supervisor([member], lambda ms: None, lambda line: None, RestartPolicy(backoff_seconds=0.05))
+    try:
+        assert _wait(lambda: "core " in member.log.read_text())
+        core = int(member.log.read_text().split("core ", 1)[1].split()[0])
+        assert sorted(group_members(first.pid)) == sorted([first.pid, core])
+        os.kill(first.pid, signal.SIGKILL)  # the server only, as a crash or the OOM killer would
+        first.proc.wait(10)
+        assert pid_alive(core), "the core outlives its server on its own"
+        assert _wait(lambda: (sup.step(), member.restarts)[1] != [])
+        assert not pid_alive(core) and group_members(first.pid) == [], "nothing of the old group survives"
+        assert member.pid != first.pid and pid_alive(member.pid)
+    finally:
+        if member.proc is not None:
+            stop_group(member.proc)

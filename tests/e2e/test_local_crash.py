@@ -1,5 +1,6 @@
 """``disagg up`` keeps serving when a pool process is SIGKILLed under a bounded request stream:
-prefill killed -> every request still succeeds (decode prefills itself, flagged ``fallback``);
+prefill's API server killed (its engine core left orphaned: the supervisor reaps the group before the
+restart, and nothing of the old group survives it) -> every request still succeeds (decode prefills itself, flagged ``fallback``);
 decode killed -> the requests in flight end with a clean OpenAI-shaped error, the sidecar reports
 not ready, and requests succeed again once the supervisor has it back. Both processes come back
 within their restart budget (the supervisor ``disagg up --detach`` leaves running).
@@ -13,6 +14,7 @@ pids; same URLs and logs). Cost: one round of two engine restarts side by side (
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -23,7 +25,7 @@ import requests
 
 from disagg_cli.local.runner import Deployment, find_state
 from disagg_cli.local.runner import status as deployment_status
-from disagg_engine.servers import pid_alive, signal_group
+from disagg_engine.servers import group_members, pid_alive, signal_group
 from tests.harness.engine import disagg
 from tests.sidecar.support import wait_for
 
@@ -90,10 +92,13 @@ def test_sigkill_of_prefill_then_decode_under_a_request_stream(local_tiny, doome
     procs = {p["name"]: p for p in Deployment.load(state).processes}
     before = _status(local)
 
-    # Prefill: SIGKILL after a few requests; every request succeeds, the later ones by fallback.
+    # Prefill: SIGKILL of its API server process only (its engine core lives on, orphaned, until the
+    # supervisor reaps the group) after a few requests; every request succeeds, the later ones by fallback.
     prefill_pid = procs["prefill-0"]["pid"]
+    prefill_group = group_members(prefill_pid)
+    assert len(prefill_group) >= 2, "an API server and its engine core"
     results = _stream(local.endpoint, total=16, concurrency=2, max_tokens=4,
-                      kill=lambda: signal_group(prefill_pid, signal.SIGKILL), after=lambda r: len(r) >= 3)
+                      kill=lambda: os.kill(prefill_pid, signal.SIGKILL), after=lambda r: len(r) >= 3)
     failed = [r for r in results if r[0] != 200]
     print(f"\nprefill SIGKILL: {len(failed)}/{len(results)} requests failed, "
           f"{sum(r[1] == 'fallback' for r in results)} served by fallback")
@@ -121,6 +126,8 @@ def test_sigkill_of_prefill_then_decode_under_a_request_stream(local_tiny, doome
     for name in ("prefill-0", "decode-0"):
         assert after[name]["restarts"] == before[name]["restarts"] + 1, after[name]
         assert after[name]["pid"] != procs[name]["pid"] and pid_alive(after[name]["pid"])
+    # Nothing of the killed server's group survives its restart (its engine core was reaped).
+    assert group_members(prefill_pid) == [] and not any(pid_alive(p) for p in prefill_group), prefill_group
     later = [_complete(local.endpoint, 4) for _ in range(3)]
     print(f"after the restarts: {sum(r[0] != 200 for r in later)}/{len(later)} requests failed")
     assert [(status, prefill) for status, prefill, _ in later] == [(200, "remote")] * 3

@@ -9,6 +9,7 @@ builds on.
 from __future__ import annotations
 
 import uuid
+from urllib.parse import urlsplit
 from typing import Any
 
 import requests
@@ -16,7 +17,7 @@ import requests
 from disagg_sidecar.plan import legs
 from disagg_sidecar import wire
 from disagg_sidecar.derender.fixes import generate_for_derender, normalise_chat_response
-from disagg_sidecar.connectors import get_connector
+from disagg_sidecar.connectors import PrefilledAt, get_connector
 from tests.harness.openai_views import sse_events
 
 TIMEOUT = 120
@@ -46,7 +47,8 @@ class ManualPipeline:
         return post(self.sset.url("prefill") + wire.GENERATE, body, headers={wire.REQUEST_ID: request_id}).json()
 
     def decode(self, gen: dict[str, Any], prefill_resp: dict[str, Any], request_id: str):
-        kv = self.connector.decode_params(prefill_resp.get(wire.KV_TRANSFER_PARAMS))
+        prefilled = PrefilledAt(urlsplit(self.sset.url("prefill")).hostname or "")
+        kv = self.connector.decode_params(prefill_resp.get(wire.KV_TRANSFER_PARAMS), prefilled)
         body = legs.decode_leg(gen, kv, output_mode="tokens")
         resp = post(self.sset.url("decode") + wire.GENERATE, body, headers={wire.REQUEST_ID: request_id},
                     stream=bool(body.get("stream")))

@@ -41,7 +41,7 @@ class TestOnlyConnector:
     def prefill_params(self) -> dict[str, Any]:
         return {"test": "prefill"}
 
-    def decode_params(self, prefill_response_params: dict[str, Any] | None) -> dict[str, Any] | None:
+    def decode_params(self, prefill_response_params: Any, prefilled: object) -> dict[str, Any] | None:
         return prefill_response_params
 
     def min_prompt_tokens(self, block_size: int) -> int:
@@ -81,6 +81,8 @@ def test_the_plan_reads_roles_engine_class_shared_directory_side_channel_and_gua
             "fieldRef": {"fieldPath": "status.podIP"}}
         assert pool.kv_shared_path == KV_SHARED_PATH
     assert plan.pool(Role.PREFILL).side_channel_ports == (5700, 5701)
+    # The sidecar accepts kv_transfer_params naming exactly those ports (connectors.PrefilledAt).
+    assert plan.sidecar.config.prefill.side_channel_ports == (5700, 5701)
     assert "TEST_KV_HOST" not in env(plan.pool(Role.RENDER)) and plan.pool(Role.RENDER).kv_shared_path is None
     # full_spec's engines request GPUs: block size 16.
     assert plan.min_prompt_tokens == 48

@@ -35,6 +35,9 @@ from disagg_sidecar.edge.server import SidecarRunner
 
 SERVED = "tiny-qwen3"
 
+# What a sidecar asks its upstreams on its own (probes, capabilities, version), not for a request.
+PROBE_PATHS = ("/health", "/v1/models", "/disagg/v1/capabilities", "/metrics", "/version")
+
 
 class LoopThread:
     """An asyncio loop in a daemon thread, for servers the (synchronous) tests talk to."""
@@ -277,8 +280,7 @@ class FakeEngine:
     delay: dict[str, float] = field(default_factory=dict)
 
     def posts(self) -> list[Recorded]:
-        return [c for c in self.calls if c.path not in ("/health", "/v1/models", "/disagg/v1/capabilities", "/metrics",
-                                                       "/version")]
+        return [c for c in self.calls if c.path not in PROBE_PATHS]
 
 
 @contextmanager

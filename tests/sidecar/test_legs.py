@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from disagg_sidecar.plan import legs
-from disagg_sidecar.connectors import ExampleConnector, NixlConnector, get_connector
+from disagg_sidecar.connectors import ExampleConnector, NixlConnector, PrefilledAt, get_connector
 
 NIXL_PREFILL = NixlConnector().prefill_params()
 NIXL_REPLY = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
@@ -104,7 +104,7 @@ def test_decode_leg(name: str) -> None:
     before = copy.deepcopy(body)
     connector = get_connector(connector_name)
     reply = NIXL_REPLY if connector_name == "NixlConnector" else None
-    kv = connector.decode_params(reply)
+    kv = connector.decode_params(reply, PrefilledAt("10.0.0.5", (5600,)))
     mode = body["output_mode"]
     context = {k: body[k] for k in ("chat_request", "parse_context") if k in body}
     d = legs.decode_leg(body, kv, output_mode=mode, context=context)

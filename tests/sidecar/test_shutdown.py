@@ -81,7 +81,7 @@ def _get_in_background(url: str) -> tuple[dict, threading.Thread]:
 
 def test_drained_answers_the_engines_prestop_hook_once_nothing_is_in_flight(engine: FakeEngine, tmp_path: Path) -> None:
     """``GET /health/drained`` (decode vLLM's preStop hook): 409 in OpenAI's shape while the sidecar
-    is not stopping, 429 at once past the few it lets wait; after SIGTERM, 200 only once the
+    is not stopping, 429 at once past the one it lets wait per address; after SIGTERM, 200 only once the
     deregister window is over and the request in flight has been answered, before the sidecar exits."""
     window, slow = 1.0, 4.0
     engine.delay[wire.CHAT_RENDER] = slow  # a request that stays in flight past the window

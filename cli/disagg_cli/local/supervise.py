@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from disagg_engine.servers import ServerSpec, pid_alive, start
+from disagg_engine.servers import ServerSpec, pid_alive, reap_group, start
 
 ERROR_LINE = re.compile(r"Error|Exception|Traceback|CRITICAL|FATAL|Killed|exited", re.I)
 
@@ -87,6 +87,9 @@ class Supervisor:
             if m.failed:
                 continue
             if m.due is None and not m.alive():
+                # Its whole process group goes with it: a killed API server leaves its engine core
+                # running (ppid 1), which would outlive the restart and `disagg down`.
+                reap_group(m.pid)
                 delay = self.policy.decide(m.restarts, now)
                 tail = "\n    ".join(error_lines(m.log))
                 if delay is None:

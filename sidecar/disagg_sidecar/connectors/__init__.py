@@ -10,7 +10,7 @@ can carry from prefill to decode. Adding a connector means one module here and o
 
 from __future__ import annotations
 
-from disagg_sidecar.connectors.base import EnginePool, KVConnector, KVRole, SideChannel
+from disagg_sidecar.connectors.base import EnginePool, InvalidKVParams, KVConnector, KVRole, PrefilledAt, SideChannel
 from disagg_sidecar.connectors.example import ExampleConnector
 from disagg_sidecar.connectors.nixl import NixlConnector
 
@@ -30,5 +30,5 @@ def local_connectors() -> list[str]:
     return [name for name, c in REGISTRY.items() if c.runs_locally]
 
 
-__all__ = ["DEFAULT", "REGISTRY", "EnginePool", "ExampleConnector", "KVConnector", "KVRole", "NixlConnector",
-           "SideChannel", "get_connector", "local_connectors"]
+__all__ = ["DEFAULT", "REGISTRY", "EnginePool", "ExampleConnector", "InvalidKVParams", "KVConnector", "KVRole",
+           "NixlConnector", "PrefilledAt", "SideChannel", "get_connector", "local_connectors"]

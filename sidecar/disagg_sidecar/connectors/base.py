@@ -23,6 +23,19 @@ class SideChannel:
     port_name: str
 
 
+@dataclass(frozen=True)
+class PrefilledAt:
+    """The prefill endpoint a prompt was prefilled on: what its ``kv_transfer_params`` may name."""
+
+    host: str  # as the sidecar dialled it (an EndpointSlice's address)
+    side_channel_ports: tuple[int, ...] = ()  # its side channel's ports (one per data-parallel rank)
+
+
+class InvalidKVParams(ValueError):
+    """A prefill answer's ``kv_transfer_params`` are not what the connector's prefill engines return
+    (e.g. they name another host): they never reach decode."""
+
+
 class KVConnector(Protocol):
     name: str  # as vLLM's kv_connector factory spells it
     summary: str | None  # how the CRD's description names it, e.g. "shared storage"
@@ -35,8 +48,10 @@ class KVConnector(Protocol):
     def prefill_params(self) -> dict[str, Any] | None:
         """``kv_transfer_params`` for the prefill leg (None: the connector needs no handshake)."""
 
-    def decode_params(self, prefill_response_params: dict[str, Any] | None) -> dict[str, Any] | None:
-        """``kv_transfer_params`` for the decode leg, from what the prefill leg returned."""
+    def decode_params(self, prefill_response_params: Any, prefilled: PrefilledAt) -> dict[str, Any] | None:
+        """``kv_transfer_params`` for the decode leg, from what the prefill leg on ``prefilled``
+        returned; raises ``InvalidKVParams`` for anything that engine would not legitimately return
+        (the prefill engine is not trusted to name where decode connects)."""
 
     def min_prompt_tokens(self, block_size: int) -> int:
         """Shorter prompts are prefilled on decode (route ``skipped``), never sent to prefill."""

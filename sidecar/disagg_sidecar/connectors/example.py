@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from disagg_sidecar.connectors.base import SideChannel
+from disagg_sidecar.connectors.base import PrefilledAt, SideChannel
 
 
 class ExampleConnector:
@@ -38,8 +38,8 @@ class ExampleConnector:
     def prefill_params(self) -> None:
         return None
 
-    def decode_params(self, prefill_response_params: object) -> None:
-        return None
+    def decode_params(self, prefill_response_params: object, prefilled: PrefilledAt) -> None:
+        return None  # nothing of the prefill's answer reaches decode: the folder name is the prompt's hash
 
     def min_prompt_tokens(self, block_size: int) -> int:
         return block_size + 2

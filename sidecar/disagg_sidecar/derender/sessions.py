@@ -39,7 +39,7 @@ from disagg_sidecar.derender import chained
 from disagg_sidecar import sse
 from disagg_sidecar.derender import stream
 from disagg_sidecar import wire
-from disagg_sidecar.upstream.client import Upstream
+from disagg_sidecar.upstream.client import NO_REDIRECTS, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +180,12 @@ class SessionDerender:
             await self._resume()
 
     async def _session(self, url: str) -> None:
-        timeout = aiohttp.ClientTimeout(sock_connect=self.up.config.timeouts.connect_seconds,
-                                        sock_read=self.up.config.timeouts.decode_seconds)
+        t = self.up.config.timeouts
+        timeout = aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=t.connect_seconds,
+                                        sock_read=t.decode_idle_seconds)
         headers = {"Content-Type": "application/x-ndjson", wire.REQUEST_ID: self.request_id}
-        async with self.up.session.post(url, data=self._body(), headers=headers, timeout=timeout) as resp:
+        async with self.up.session.post(url, data=self._body(), headers=headers, timeout=timeout,
+                                     **NO_REDIRECTS) as resp:
             if resp.status != 200:
                 raise SessionFailed(f"status {resp.status}: {(await resp.read())[:300]!r}")
             await self._relay(resp.content)

@@ -46,21 +46,61 @@ def _refusal(message: str) -> SidecarError:
                         headers={"WWW-Authenticate": "Bearer"})
 
 
-def client_key_middleware(config: SidecarConfig) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]] | None:
-    """A middleware requiring the client key on every path but ``OPEN_PATHS``; None without one."""
+def client_key_check(config: SidecarConfig) -> Callable[[web.Request], SidecarError | None] | None:
+    """The client key check (the refusal, or None when the request may pass); None without a key."""
     path = config.auth.client_api_key_file
     if not path:
         return None
     expected = _digest(read_key(path))
 
+    def refusal(request: web.Request) -> SidecarError | None:
+        if request.path in OPEN_PATHS:
+            return None
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return _refusal("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        if not hmac.compare_digest(_digest(token.strip()), expected):
+            return _refusal("Incorrect API key provided.")
+        return None
+
+    return refusal
+
+
+def client_key_middleware(config: SidecarConfig) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]] | None:
+    """A middleware requiring the client key on every path but ``OPEN_PATHS``; None without one."""
+    check = client_key_check(config)
+    if check is None:
+        return None
+
     @web.middleware
     async def require_client_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not token:
-                raise _refusal("Missing API key: send it as 'Authorization: Bearer <key>'.")
-            if not hmac.compare_digest(_digest(token.strip()), expected):
-                raise _refusal("Incorrect API key provided.")
+        if (refused := check(request)) is not None:
+            raise refused
         return await handler(request)
 
     return require_client_key
+
+
+def expect_handler(config: SidecarConfig) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """``Expect:`` before the body is read: ``100-continue`` gets ``100 Continue`` only once the
+    client key is known to pass (else the 401 at once, no body invited); any other expectation an
+    OpenAI-shaped 417 (aiohttp's own is text/plain)."""
+    check = client_key_check(config)
+
+    async def handle(request: web.Request) -> web.StreamResponse | None:
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            error = SidecarError(417, "Expect supports only 100-continue", type_="ExpectationFailedError")
+        elif check is not None and (refused := check(request)) is not None:
+            error = refused
+        else:
+            if request.version >= (1, 1):
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0  # as aiohttp's own handler: the answer has not started
+            return None
+        response = web.Response(body=error.body, status=error.status, content_type="application/json",
+                                headers=error.headers)
+        response.force_close()  # the body is not read
+        return response
+
+    return handle

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,15 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite(text: str) -> float:
+    """A JSON number as Python's float, refused where it is none (``1e400`` would be infinity,
+    which the engines get as ``Infinity``, no JSON)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
 def check(raw: bytes, max_depth: int) -> int:
     """Every check that needs no parsing; returns what holding and parsing ``raw`` costs at its peak."""
     check_utf8(raw)
@@ -174,7 +184,7 @@ def check(raw: bytes, max_depth: int) -> int:
 def loads(raw: bytes, max_depth: int) -> Any:
     """The body parsed (after ``check``); a parse error is a 400."""
     try:
-        return json.loads(raw, parse_constant=_constant)
+        return json.loads(raw, parse_constant=_constant, parse_float=_finite)
     except RecursionError:
         raise bad_request(f"the request body nests deeper than {max_depth} levels (limits.max_json_depth)") from None
     except ValueError as exc:  # JSONDecodeError, and ints past Python's digit limit

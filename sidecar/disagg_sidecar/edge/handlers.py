@@ -7,6 +7,7 @@ sent, so a bad request never costs an upstream connection.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import uuid
@@ -37,6 +38,14 @@ log = logging.getLogger(__name__)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 _TRACESTATE_MAX = 512
+
+
+def valid_traceparent(value: str) -> bool:
+    """W3C trace context: the shape, and no all-zero trace or parent id, no version ff."""
+    if not _TRACEPARENT.match(value):
+        return False
+    version, trace, parent, _ = value.split("-")
+    return version != "ff" and trace != "0" * 32 and parent != "0" * 16
 
 
 def _too_large(limit: int) -> SidecarError:
@@ -98,7 +107,7 @@ def context(request: web.Request, body: Any) -> Context:
     request_id, engine_id = (ids[0], f"{ids[0]}-{uuid.uuid4().hex[:12]}") if ids else (uuid.uuid4().hex, None)
     headers = {wire.REQUEST_ID: request_id}
     traceparent = request.headers.get(wire.TRACEPARENT)
-    if traceparent and _TRACEPARENT.match(traceparent):  # an invalid one is dropped, as W3C says
+    if traceparent and valid_traceparent(traceparent):  # an invalid one is dropped, as W3C says
         headers[wire.TRACEPARENT] = traceparent
         if (tracestate := request.headers.get(wire.TRACESTATE)) and len(tracestate) <= _TRACESTATE_MAX:
             headers[wire.TRACESTATE] = tracestate
@@ -198,18 +207,35 @@ async def responses(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The decode engine's model list (the served name every tier shares)."""
-    up = request.app[UPSTREAM]
+    """The decode engine's model list (the served name every tier shares), checked to be one: an
+    answer that is not is a 502 whose detail stays in the log. It takes a request slot like any
+    other call that costs an upstream connection."""
+    state = request.app[STATE]
+    if not state.try_reserve():
+        raise _no_slot(request)
     try:
-        status, body = await up.get_json(up.decode_url, wire.MODELS)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        log.warning("GET %s on the decode engine failed: %r", wire.MODELS, exc)
-        raise SidecarError(503, "The decode engine is not reachable", type_="ServiceUnavailableError",
-                           headers={"Retry-After": "1"}) from exc
-    if status >= 500:
+        up = request.app[UPSTREAM]
+        try:
+            status, body = await up.get_json(up.decode_url, wire.MODELS)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("GET %s on the decode engine failed: %r", wire.MODELS, exc)
+            raise SidecarError(503, "The decode engine is not reachable", type_="ServiceUnavailableError",
+                               headers={"Retry-After": "1"}) from exc
+    finally:
+        state.release()
+    if status != 200:
         log.warning("GET %s on the decode engine answered %d: %r", wire.MODELS, status, body[:300])
-        raise SidecarError.upstream(status, body, "decode")
-    return web.Response(body=body, status=status, content_type="application/json")
+        raise SidecarError(502, f"The decode engine answered GET /v1/models with status {status}",
+                           type_="BadGatewayError")
+    try:
+        listed = json.loads(body)
+    except ValueError:
+        listed = None
+    if not isinstance(listed, dict) or not isinstance(listed.get("data"), list):
+        log.warning("GET %s on the decode engine answered no model list: %r", wire.MODELS, body[:300])
+        raise SidecarError(502, "The decode engine answered GET /v1/models with an invalid answer",
+                           type_="BadGatewayError")
+    return web.Response(body=body, status=200, content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -226,7 +252,9 @@ async def live(request: web.Request) -> web.Response:
 
 
 SIGTERM_ALLOWANCE_SECONDS = 5.0  # kubelet signals the sidecar and runs the hook at about the same time
-MAX_DRAINED_WAITERS = 4  # kubelet sends one; an open path must not let anyone hold many connections
+# Kubelet sends one, from the node's address; an open path must not let anyone hold many
+# connections, nor use up a shared allowance (which would turn kubelet's hook away): per address.
+MAX_DRAINED_WAITERS = 1
 
 
 async def drained(request: web.Request) -> web.Response:
@@ -235,11 +263,13 @@ async def drained(request: web.Request) -> web.Response:
     flight, so kubelet signals vLLM only when no leg can reach it any more (at most the sidecar's
     ``limits.stop_seconds``: it stops then). Asked while the sidecar is not stopping, it answers 409
     after ``SIGTERM_ALLOWANCE_SECONDS`` (the hook's request may come before the sidecar's SIGTERM);
-    beyond ``MAX_DRAINED_WAITERS`` at once, 429 at once."""
+    beyond ``MAX_DRAINED_WAITERS`` at once from one address, 429 at once (other addresses, the
+    node's kubelet among them, are not affected)."""
     state = request.app[STATE]
-    if state.drained_waiters >= MAX_DRAINED_WAITERS:
-        raise SidecarError(429, f"{MAX_DRAINED_WAITERS} requests already wait on /health/drained")
-    state.drained_waiters += 1
+    source = request.remote or ""
+    if state.drained_waiters[source] >= MAX_DRAINED_WAITERS:
+        raise SidecarError(429, f"{MAX_DRAINED_WAITERS} request(s) from this address already wait on /health/drained")
+    state.drained_waiters[source] += 1
     try:
         await asyncio.wait_for(state.stopping.wait(), SIGTERM_ALLOWANCE_SECONDS)
         await state.drained.wait()
@@ -247,7 +277,9 @@ async def drained(request: web.Request) -> web.Response:
         raise SidecarError(409, "this sidecar is not stopping: /health/drained is the decode engine's "
                                 "preStop hook") from None
     finally:
-        state.drained_waiters -= 1
+        state.drained_waiters[source] -= 1
+        if not state.drained_waiters[source]:
+            del state.drained_waiters[source]
     return web.json_response({"status": "drained"})
 
 

@@ -49,9 +49,11 @@ class SSEWriter:
     async def send(self, obj: Mapping[str, Any]) -> None:
         await self.write(sse.sse_json(obj))
 
-    async def fail(self, status: int, message: str) -> None:
+    async def fail(self, status: int, message: str, done: bool = True) -> None:
+        """An error event, and ``[DONE]`` unless the stream must not look finished (``SidecarError.done``)."""
         await self.send(error_body(status, message))
-        await self.write(sse.DONE_EVENT)
+        if done:
+            await self.write(sse.DONE_EVENT)
 
 
 async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]], *,
@@ -60,7 +62,7 @@ async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]], *,
     """``run`` writing to ``writer``, then ``end`` (OpenAI's ``[DONE]``); a failure after the
     first byte is ``fail``'s error event (OpenAI's by default; before the first byte, the error
     is raised for an ordinary HTTP answer)."""
-    fail = fail or writer.fail
+    own_fail, fail = fail, fail or writer.fail
     try:
         await run()
     except (SidecarError, LegError) as exc:
@@ -68,7 +70,10 @@ async def run_stream(writer: SSEWriter, run: Callable[[], Awaitable[None]], *,
         if not writer.started:
             raise err from exc
         log.warning("stream failed after the first byte: %s", err.message)
-        await fail(err.status, err.message)
+        if own_fail is None:  # OpenAI's event; no [DONE] where the stream must not look finished
+            await writer.fail(err.status, err.message, err.done)
+        else:
+            await own_fail(err.status, err.message)
         return writer.response
     except (ConnectionResetError, asyncio.CancelledError):
         raise

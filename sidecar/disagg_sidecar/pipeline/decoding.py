@@ -10,7 +10,6 @@ A ``GenerateRequest`` client's is passed through in the mode it asked for.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from disagg_sidecar.derender import chained
+from disagg_sidecar.plan import answers
 from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar.derender import sessions
@@ -30,13 +30,14 @@ from disagg_sidecar.pipeline.clientstream import SSEWriter
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.pipeline.failures import leg_failure, streamed_error
+from disagg_sidecar.pipeline.failures import invalid_answer, leg_failure, streamed_error
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream.client import LegError, Upstream, chunks
+from disagg_sidecar.upstream.client import LegError, Upstream, chunks, read_bounded
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+ERROR_BYTES = 1 << 20  # of a decode engine's error answer (summarised, never passed on)
 # The engine's 200 answer, still open, and the output mode it was asked for -> what the caller wants.
 Read = Callable[[aiohttp.ClientResponse, wire.OutputMode], Awaitable[T]]
 # A decode (or derender) chunk -> the client's chunk, None when it carries nothing for the client.
@@ -58,10 +59,10 @@ class Decoder:
             self.metrics.output_modes.labels(mode).inc()
             try:
                 body = legs.decode_body(gen, kv, mode, decode_plan.context, chat_raw, self._stream_interval())
-                async with self.up.decode(body, ctx.headers, ctx.inflight) as resp:
+                async with self.up.decode(body, ctx.headers, ctx.inflight, stream=bool(gen.get("stream"))) as resp:
                     if resp.status == 200:
                         return mode, await read(resp, mode)
-                    status, raw = resp.status, await resp.read()
+                    status, raw = resp.status, await read_bounded(resp, "decode", self.up.decode_url, ERROR_BYTES)
             except LegError as exc:
                 raise leg_failure(exc) from exc
             if not decisions.retry_as_tokens(status, mode, decode_plan):
@@ -85,19 +86,28 @@ class Decoder:
 
     async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
                     ctx: Context, chat_raw: bytes | None) -> Any:
-        """The decode answer, parsed."""
-        mode, raw = await self.call(gen, kv, decode_plan, ctx, chat_raw, lambda resp, _: resp.read())
-        answer = json.loads(raw)
+        """The decode answer, parsed and checked (``answers``: a 502 otherwise)."""
+        mode, raw = await self.call(gen, kv, decode_plan, ctx, chat_raw, lambda resp, _: self._read(resp))
+        answer = self._checked(raw, choices_of(gen))
         if decisions.answered_mode(answer) != mode:
             self.metrics.mode_fallbacks.labels(mode).inc()
         return answer
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
+        return await read_bounded(resp, "decode", self.up.decode_url, self.config.limits.decode_answer_bytes)
+
+    def _checked(self, raw: bytes, n: int) -> Any:
+        try:
+            return answers.generated(answers.parse(raw), n)
+        except answers.InvalidAnswer as exc:
+            raise invalid_answer("decode", exc, self.up.decode_url) from exc
 
     async def stream(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
                      ctx: Context, stream_call: chained.StreamCall, chat_raw: bytes | None,
                      writer: SSEWriter, shaper: Shaper) -> Any:
         """Stream one prompt's decode leg to the client; returns its usage (sent by the caller)."""
         async def read(resp: aiohttp.ClientResponse, mode: wire.OutputMode) -> Any:
-            return await self._relay(resp, mode, stream_call, writer, shaper)
+            return await self._relay(resp, mode, stream_call, writer, shaper, choices_of(gen))
         return (await self.call(gen, kv, decode_plan, ctx, chat_raw, read))[1]
 
     async def passthrough(self, request: web.Request, body: Mapping[str, Any], kv: dict[str, Any] | None,
@@ -107,28 +117,48 @@ class Decoder:
         self.metrics.output_modes.labels(decisions.answered_mode(body)).inc()
         try:
             async with self.up.decode(sse.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
-                                      ctx.inflight) as resp:
-                if resp.status != 200 or not body.get("stream"):
-                    raw = await resp.read()
-                    if resp.status >= 500:
-                        raise self.error(resp.status, raw)
+                                      ctx.inflight, stream=bool(body.get("stream"))) as resp:
+                if resp.status != 200:
+                    raise self.error(resp.status, await read_bounded(resp, "decode", self.up.decode_url, ERROR_BYTES))
+                n = choices_of(body)
+                if not body.get("stream"):
+                    raw = await self._read(resp)
+                    self._checked(raw, n)
                     return web.Response(body=raw, status=resp.status, content_type="application/json",
                                         headers=ctx.response_headers())
                 writer = SSEWriter(request, ctx.response_headers())
                 await writer.start()
                 try:
-                    async for data in chunks(resp, "decode", self.up.decode_url):  # bytes as they come
-                        await writer.write(data)
+                    ended = StreamEnd(n)
+                    parser = sse.SSEParser(self.config.limits.upstream_event_bytes)
+                    async for data in chunks(resp, "decode", self.up.decode_url):  # events as they complete
+                        out = []
+                        for payload in parser.feed(data):
+                            event = ended.see(payload)
+                            if event is None:
+                                continue  # [DONE] goes out once the stream is known to be whole
+                            if "error" not in event:
+                                answers.generated(event, n, "a decode stream event")
+                            out.append(sse.sse(payload))
+                        if out:
+                            await writer.write(b"".join(out))
+                    if not ended.errors:
+                        ended.check(parser)
+                    await writer.write(sse.DONE_EVENT)
                 except LegError as exc:
                     log.warning("generate stream failed after the first byte: %s", exc)
                     await writer.fail(502, f"The decode engine failed: {exc.kind}")
+                except ValueError as exc:  # InvalidAnswer, EventTooLarge
+                    err = invalid_answer("decode", exc, self.up.decode_url)
+                    await writer.fail(err.status, err.message, done=False)
                 return writer.response
         except LegError as exc:
             raise leg_failure(exc) from exc
 
     async def _relay(self, resp: aiohttp.ClientResponse, mode: wire.OutputMode, stream_call: chained.StreamCall,
-                     writer: SSEWriter, shaper: Shaper) -> Any:
-        """The decode stream to the client: inline chunks shaped, tokens chunks chained."""
+                     writer: SSEWriter, shaper: Shaper, n: int) -> Any:
+        """The decode stream to the client: inline chunks shaped, tokens chunks chained. Each event
+        is checked (``answers``); a stream that ends without its end is an error, not a short answer."""
         usage: list[Any] = []
 
         async def emit(chunk: Mapping[str, Any]) -> None:
@@ -144,17 +174,19 @@ class Decoder:
                 self.metrics.coalesced_chunks.inc(merged - 1)
 
         chain: stream.ChainedDerender | sessions.SessionDerender | None = None
-        parser = sse.SSEParser()
+        parser = sse.SSEParser(self.config.limits.upstream_event_bytes)
+        ended = StreamEnd(n)
         error: dict[str, Any] | None = None
         try:
             async for data in chunks(resp, "decode", self.up.decode_url):
                 for payload in parser.feed(data):
-                    if payload.strip() == wire.SSE_DONE:
+                    event = ended.see(payload)
+                    if event is None:
                         continue
-                    event = json.loads(payload)
                     if "error" in event:
-                        error = event["error"]
+                        error = event["error"] if isinstance(event["error"], dict) else {}
                         continue
+                    event = answers.generated(event, n, "a decode stream event")
                     if decisions.answered_mode(event) == "tokens":
                         if chain is None:
                             if mode != "tokens":
@@ -165,11 +197,55 @@ class Decoder:
                         chain.feed(event)
                     else:
                         await emit(event)
+            if error is None:
+                ended.check(parser)
             if chain is not None:
                 await chain.finish()
+        except ValueError as exc:  # InvalidAnswer, EventTooLarge: the stream is not the client's answer
+            raise invalid_answer("decode", exc, self.up.decode_url) from exc
         finally:
             if chain is not None:
                 await chain.cancel()
         if error is not None:
             raise streamed_error(error)
         return usage[-1] if usage else None
+
+
+def choices_of(gen: Mapping[str, Any]) -> int:
+    """The choices a generate request asks for (``sampling_params.n``, checked by then)."""
+    sampling = gen.get(wire.SAMPLING_PARAMS)
+    n = sampling.get("n") if isinstance(sampling, Mapping) else None
+    return n if type(n) is int and n > 0 else 1
+
+
+class StreamEnd:
+    """Whether a generate stream ended as vLLM ends one: every choice with its finish reason, then
+    ``[DONE]``, nothing after it."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.done, self.finished = n, False, set[int]()
+        self.errors = False  # an error event came: vLLM ends such a stream without finish reasons
+
+    def see(self, payload: bytes) -> dict[str, Any] | None:
+        """The event of ``payload`` (None for ``[DONE]``); raises ``InvalidAnswer``."""
+        if self.done:
+            raise answers.InvalidAnswer("the decode stream went on after [DONE]")
+        if payload.strip() == wire.SSE_DONE:
+            self.done = True
+            return None
+        event = answers.parse(payload)
+        if not isinstance(event, dict):
+            raise answers.InvalidAnswer("a decode stream event is not a JSON object")
+        self.errors = self.errors or "error" in event
+        for c in event.get("choices") or () if isinstance(event.get("choices"), list) else ():
+            if isinstance(c, dict) and c.get("finish_reason") is not None:
+                self.finished.add(c.get("index", 0))
+        return event
+
+    def check(self, parser: sse.SSEParser) -> None:
+        if parser.pending:
+            raise answers.InvalidAnswer("the decode stream ended inside an event")
+        if not self.done:
+            raise answers.InvalidAnswer("the decode stream ended without [DONE]")
+        if len(self.finished) < self.n:
+            raise answers.InvalidAnswer("the decode stream ended without a finish reason")

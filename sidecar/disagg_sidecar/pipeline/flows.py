@@ -93,13 +93,14 @@ class Flows:
 
     # -- chat ------------------------------------------------------------------------------------
 
-    async def _chat_legs(self, render_path: str, render_raw: bytes, ctx: Context,
+    async def _chat_legs(self, render_path: str, render_raw: bytes, ctx: Context, n: int,
                          as_chat: Callable[[dict[str, Any]], tuple[dict[str, Any], bytes]]) -> _ChatLegs:
         """Render (``render_path``: chat's, or an API vLLM renders as chat) and prefill; ``as_chat``
         gives the chat request (and its bytes) the decode and derender steps parse with."""
         created = int(time.time())
-        gen = self._checked(legs.rendered(await self.pools.call("render", render_path, render_raw, ctx)))
+        gen = self._checked(legs.rendered(await self.pools.render_chat(render_raw, ctx, n, render_path)))
         body, raw = as_chat(gen)
+        raw = legs.client_context(raw, body)  # without a client's kv_transfer_params
         release = self.decode_release()
         decode_plan = decisions.fit_to_render(decisions.decode_plan("chat", body, self.capabilities()), gen, release)
         if decode_plan.context == "parse_context" and release is not None:  # as that engine reads it
@@ -130,7 +131,8 @@ class Flows:
             await (send_usage or send)(shapes.usage_chunk("chat.completion.chunk", c.shape, c.shape.usage(usage)))
 
     async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
-        c = await self._chat_legs(wire.CHAT_RENDER, raw, ctx, lambda gen: (body, raw))
+        c = await self._chat_legs(wire.CHAT_RENDER, raw, ctx, requestlimits.choices("chat", body) or 1,
+                                  lambda gen: (body, raw))
         if not body.get("stream"):
             return web.json_response(await self._chat_batch(c, ctx), headers=ctx.response_headers(), dumps=_dumps)
         writer = SSEWriter(request, ctx.response_headers())
@@ -144,7 +146,7 @@ class Flows:
             chat = anthropic.chat_request(body, disabled_thinking_effort=anthropic.chat_effort(gen))
             return chat, sse.dumps(chat)
 
-        c = await self._chat_legs(wire.MESSAGES_RENDER, raw, ctx, as_chat)
+        c = await self._chat_legs(wire.MESSAGES_RENDER, raw, ctx, 1, as_chat)
         if not body.get("stream"):
             answer = anthropic.message(await self._chat_batch(c, ctx))
             return web.json_response(answer, headers=ctx.response_headers(), dumps=_dumps)
@@ -172,7 +174,7 @@ class Flows:
 
     async def count_tokens(self, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
         """The rendered prompt's length: the render tier only, as coupled renders it."""
-        gen = await self.pools.call("render", wire.MESSAGES_RENDER, sse.dumps(anthropic.count_render_body(body)), ctx)
+        gen = await self.pools.render_chat(sse.dumps(anthropic.count_render_body(body)), ctx, 1, wire.MESSAGES_RENDER)
         return web.json_response(anthropic.count_tokens(len(gen[wire.TOKEN_IDS])), headers=ctx.response_headers(),
                                  dumps=_dumps)
 
@@ -182,9 +184,10 @@ class Flows:
                           ctx: Context) -> web.StreamResponse:
         created = int(time.time())
         decode_plan = decisions.decode_plan("completions", body, self.capabilities())
-        gens = [fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
-                for g in await self.pools.call("render", wire.COMPLETIONS_RENDER, raw, ctx)]
         n = int(body.get("n") or 1)
+        rendered = await self.pools.render_prompts(raw, ctx, requestlimits.rendered_prompts(body), n)
+        gens = [fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
+                for g in rendered]
         response_id = f"cmpl-{ctx.request_id}"
         tier = self.pools.tier(ctx)
 

@@ -9,22 +9,24 @@ answer, or the failure after the retries, reaches the flow:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from disagg_sidecar.derender import chained
+from disagg_sidecar.plan import answers
 from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar import sse
 from disagg_sidecar import wire
 from disagg_sidecar.config import SidecarConfig
-from disagg_sidecar.connectors import KVConnector
+from disagg_sidecar.connectors import InvalidKVParams, KVConnector, PrefilledAt
 from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.pipeline.failures import leg_failure
+from disagg_sidecar.pipeline.failures import BAD_ANSWERS, invalid_answer, leg_failure
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream.client import LegError, Upstream
+from disagg_sidecar.upstream.client import LegError, Reply, Upstream
 from disagg_sidecar.derender.usage import cached_tokens
 
 log = logging.getLogger(__name__)
@@ -45,23 +47,41 @@ class PoolLegs:
     metrics: Metrics
     connector: KVConnector | None  # None: no prefill pool
 
-    async def call(self, tier: TierLeg, path: str, body: bytes, ctx: Context) -> Any:
-        """A render or derender leg's JSON answer."""
+    async def call(self, tier: TierLeg, path: str, body: bytes, ctx: Context,
+                   check: Callable[[Any], Any] | None = None) -> Any:
+        """A render or derender leg's JSON answer, ``check``ed (``answers``: a 502 otherwise)."""
         try:
             reply = await self.up.call(tier, path, body, ctx.headers)
         except LegError as exc:
             raise leg_failure(exc) from exc
         if reply.status != 200:
             raise SidecarError.upstream(reply.status, reply.body, tier)
-        return reply.json()
+        try:
+            parsed = answers.parse(reply.body)
+            return check(parsed) if check is not None else parsed
+        except answers.InvalidAnswer as exc:
+            raise invalid_answer(tier, exc, reply.url) from exc
+
+    async def render_chat(self, raw: bytes, ctx: Context, n: int, path: str = wire.CHAT_RENDER) -> dict[str, Any]:
+        """Render a chat request (or a request vLLM renders as chat, at ``path``): one GenerateRequest."""
+        return await self.call("render", path, raw, ctx, lambda a: answers.rendered(a, n))
+
+    async def render_prompts(self, raw: bytes, ctx: Context, prompts: int, n: int) -> list[dict[str, Any]]:
+        return await self.call("render", wire.COMPLETIONS_RENDER, raw, ctx,
+                               lambda a: answers.rendered_prompts(a, prompts, n))
 
     def tier(self, ctx: Context) -> chained.TierCall:
-        """The chained path's calls to the render/derender tiers (derender calls counted by kind)."""
+        """The chained path's calls to the render/derender tiers (derender calls counted by kind),
+        each answer checked for the shape its kind has."""
+        bound = 2 * self.config.limits.max_n  # a stop cut sends each choice twice (``chained.kept_texts``)
+
         async def call(tier: str, path: str, body: bytes, kind: str) -> Any:
             if tier == "render":
-                return await self.call("render", path, body, ctx)
+                return await self.call("render", path, body, ctx, _tokenized)
             self.metrics.derender_calls.labels(kind).inc()
-            return await self.call("derender", path, body, ctx)
+            check = (lambda a: answers.derendered_chunk(a, bound)) if kind == "stream" else \
+                (lambda a: answers.derendered(a, bound))
+            return await self.call("derender", path, body, ctx, check)
         return call
 
     async def prefill(self, gen: Mapping[str, Any], ctx: Context) -> Prefilled:
@@ -75,22 +95,49 @@ class PoolLegs:
         try:
             reply = await self.up.call("prefill", wire.GENERATE, body, ctx.headers,
                                        first=ctx.prefill_target, inflight=ctx.inflight, prompt=gen[wire.TOKEN_IDS])
+            if reply.status != 200:
+                raise SidecarError.upstream(reply.status, reply.body, "prefill")
+            params, kv = self._kv(reply)
         except LegError as exc:
             if self.config.prefill.failure_policy == "fail":
                 self.metrics.prefill.labels("failed").inc()
                 log.warning("prefill failed (failure_policy fail): %s", exc)
+                if exc.kind in BAD_ANSWERS:
+                    bad = leg_failure(exc)
+                    bad.headers[wire.PREFILL_OUTCOME] = "failed"
+                    raise bad from exc
                 raise SidecarError(503, f"The prefill tier is unavailable ({exc.kind})",
                                    type_="ServiceUnavailableError",
                                    headers={"Retry-After": "1", wire.PREFILL_OUTCOME: "failed"}) from exc
             log.warning("prefill failed, decode prefills locally: %s", exc)
             self._count(ctx, "fallback")
             return Prefilled()
-        if reply.status != 200:
-            raise SidecarError.upstream(reply.status, reply.body, "prefill")
         self._count(ctx, "remote")
-        params = reply.json().get(wire.KV_TRANSFER_PARAMS)
-        return Prefilled(self.connector.decode_params(params), cached_tokens(params))
+        return Prefilled(kv, cached_tokens(params))
+
+    def _kv(self, reply: Reply) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The prefill answer's ``kv_transfer_params`` and what of them goes to decode: only what
+        the connector accepts from the endpoint that was prefilled (``connectors``); anything else
+        is a failed prefill leg (``invalid``), the endpoint marked failed."""
+        assert self.connector is not None
+        host = urlsplit(reply.url).hostname or ""
+        try:
+            answer = answers.parse(reply.body)
+            params = answer.get(wire.KV_TRANSFER_PARAMS) if isinstance(answer, dict) else None
+            if not isinstance(answer, dict):
+                raise InvalidKVParams("the prefill answer is not a JSON object")
+            kv = self.connector.decode_params(params, PrefilledAt(host, self.config.prefill.side_channel_ports))
+        except ValueError as exc:  # InvalidKVParams, or not JSON
+            self.up.pools["prefill"].mark_failed(reply.url)
+            self.metrics.leg_errors.labels("prefill", "invalid").inc()
+            raise LegError("prefill", "invalid", reply.url, detail=str(exc)[:200]) from exc
+        return (params if isinstance(params, dict) else None), kv
 
     def _count(self, ctx: Context, outcome: wire.PrefillOutcome) -> None:
         ctx.prefill_outcomes.add(outcome)
         self.metrics.prefill.labels(outcome).inc()
+
+
+def _tokenized(answer: Any) -> Any:
+    """The render tier as the tokenizer (``chained.cut_token_ids``): token ids for each text."""
+    return answers.tokenized(answer, len(answer) if isinstance(answer, list) else -1)

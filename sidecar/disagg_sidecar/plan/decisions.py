@@ -20,6 +20,7 @@ from typing import Any, Literal
 from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import bad_request
+from disagg_sidecar.plan.answers import MAX_TOKEN_ID, is_token_ids
 
 Api = Literal["chat", "completions", "generate", "messages", "count_tokens"]
 Chain = Literal["chat", "completions"]
@@ -102,6 +103,8 @@ def check_openai_request(api: Api, body: Any) -> None:
     n = body.get("n")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise bad_request("n must be a positive integer", "n")
+    if api == "completions" and not _prompt_ids_in_range(body.get("prompt")):
+        raise bad_request(f"prompt token ids must be integers from 0 to {MAX_TOKEN_ID}", "prompt")
     if api == "completions" and body.get("echo"):
         raise bad_request("echo is not supported on the disaggregated path (the engines never see the prompt text)",
                           "echo")
@@ -120,10 +123,22 @@ def check_generate_request(body: Any) -> None:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     ids = body.get(wire.TOKEN_IDS)
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise bad_request("token_ids must be a non-empty list of integers", wire.TOKEN_IDS)
-    if not isinstance(body.get(wire.SAMPLING_PARAMS, {}), dict):
+    if not isinstance(ids, list) or not ids or not is_token_ids(ids):
+        raise bad_request(f"token_ids must be a non-empty list of integers from 0 to {MAX_TOKEN_ID}", wire.TOKEN_IDS)
+    sampling = body.get(wire.SAMPLING_PARAMS, {})
+    if not isinstance(sampling, dict):
         raise bad_request("sampling_params must be an object", wire.SAMPLING_PARAMS)
+    if sampling.get(wire.EXTRA_ARGS) is not None and not isinstance(sampling[wire.EXTRA_ARGS], dict):
+        raise bad_request("sampling_params.extra_args must be an object", f"{wire.SAMPLING_PARAMS}.{wire.EXTRA_ARGS}")
     mode = body.get(wire.OUTPUT_MODE, "tokens")
     if mode not in wire.OUTPUT_MODES:
         raise bad_request(f"output_mode must be one of {list(wire.OUTPUT_MODES)}", wire.OUTPUT_MODE)
+
+
+def _prompt_ids_in_range(prompt: Any) -> bool:
+    """A completions prompt's token ids (a list of ints, or of such lists) within a vocabulary's range
+    (larger ones no tokenizer has, and past 2^63 no signed 64-bit word holds)."""
+    if not isinstance(prompt, list):
+        return True
+    lists = [prompt] if any(type(p) is int for p in prompt) else [p for p in prompt if isinstance(p, list)]
+    return all(is_token_ids([t for t in ids if type(t) is int]) for ids in lists)

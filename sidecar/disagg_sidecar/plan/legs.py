@@ -108,6 +108,20 @@ def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | 
     return body
 
 
+def client_context(raw: bytes, body: Mapping[str, Any]) -> bytes:
+    """The client's request as the decode leg's ``chat_request``, without the ``kv_transfer_params``
+    a client may put into it (top level or ``vllm_xargs``): only the connector decides those. The
+    bytes as they came when there are none (the usual case: no re-serialising)."""
+    xargs = body.get("vllm_xargs")
+    nested = isinstance(xargs, Mapping) and wire.KV_TRANSFER_PARAMS in xargs
+    if wire.KV_TRANSFER_PARAMS not in body and not nested:
+        return raw
+    clean = {k: v for k, v in body.items() if k != wire.KV_TRANSFER_PARAMS}
+    if nested:
+        clean["vllm_xargs"] = {k: v for k, v in xargs.items() if k != wire.KV_TRANSFER_PARAMS}
+    return dumps(clean)
+
+
 def with_raw_field(body: bytes, key: str, raw: bytes) -> bytes:
     """``body`` (a serialised JSON object) with ``key: raw`` added, without re-serialising ``raw``."""
     assert body.endswith(b"}")

@@ -18,6 +18,16 @@ def prompt_count(prompt: Any) -> int:
     return 1
 
 
+def rendered_prompts(body: Mapping[str, Any]) -> int:
+    """The requests render makes of a completions request: one per prompt and per prompt embedding
+    (vLLM's ``prompt_embeds``: one tensor, or a list of them)."""
+    prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
+    count = prompt_count(prompt) if prompt is not None else 0
+    if embeds is not None:
+        count += len(embeds) if isinstance(embeds, list) else 1
+    return max(count, 1)
+
+
 def choices(api: str, body: Mapping[str, Any]) -> Any:
     if api in ("messages", "count_tokens", "responses"):
         return None  # one answer: vLLM's models of these APIs have no ``n`` (a client's is ignored)
@@ -40,7 +50,7 @@ def check(api: str, body: Mapping[str, Any], limits: Limits) -> None:
     n = n or 1
     if n > limits.max_n:
         raise bad_request(f"n is {n}; this server allows at most {limits.max_n} (limits.max_n)", param)
-    prompts = prompt_count(body.get("prompt")) if api == "completions" else 1
+    prompts = rendered_prompts(body) if api == "completions" else 1
     if prompts > limits.max_prompts:
         raise bad_request(f"the request has {prompts} prompts; this server allows at most {limits.max_prompts} "
                           "per request (limits.max_prompts)", "prompt")
@@ -61,6 +71,8 @@ def check_logprobs(sampling_params: Any, limit: int | None) -> None:
         return
     for key, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         k = sampling_params.get(key)
+        if type(k) is float and k.is_integer():
+            k = int(k)  # what the engine's pydantic makes of 25.0
         if type(k) is int and (k > limit or k == -1):
             asked = "the whole vocabulary (-1)" if k == -1 else k
             raise bad_request(f"Requested {what} logprobs of {asked}, which is greater than max allowed: {limit} "

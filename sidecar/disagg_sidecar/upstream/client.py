@@ -33,6 +33,17 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2, sock_connect=1)
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=1)
 ABORT_GRACE_SECONDS = 1.0
+NO_REDIRECTS = {"allow_redirects": False}  # every call of the upstream session (module docstring)
+
+
+def is_redirect(status: int) -> bool:
+    return 300 <= status < 400
+
+
+def encoded(resp: aiohttp.ClientResponse) -> bool:
+    """A compressed body: the session does not decompress (``app._upstreams``) and asks for none,
+    so an engine that compresses anyway answers bytes no leg reads."""
+    return resp.headers.get("Content-Encoding", "identity").strip().lower() not in ("identity", "")
 
 
 class LegError(Exception):
@@ -42,6 +53,7 @@ class LegError(Exception):
                  detail: str = ""):
         super().__init__(f"{leg} leg {kind} at {url}: {status or ''} {detail or body[:300]!r}".strip())
         self.leg, self.kind, self.url, self.status, self.body = leg, kind, url, status, body
+        self.detail = detail
 
 
 def transport_error(leg: Leg, url: str, exc: BaseException) -> LegError:
@@ -59,6 +71,19 @@ async def chunks(resp: aiohttp.ClientResponse, leg: Leg, url: str) -> AsyncItera
             yield data
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
         raise transport_error(leg, url, exc) from exc
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, leg: Leg, url: str, limit: int) -> bytes:
+    """The whole body, refused (``LegError`` kind ``oversize``) as soon as it passes ``limit``:
+    an engine's answer is never held beyond its leg's bound (``limits.*_answer_bytes``)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise LegError(leg, "oversize", url, resp.status, detail=f"{resp.content_length} bytes")
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise LegError(leg, "oversize", url, resp.status, detail=f"over {limit} bytes")
+    return bytes(body)
 
 
 @dataclass
@@ -92,12 +117,19 @@ class Upstream:
         self.decode_url = config.decode.url
         t = config.timeouts
         connect = t.connect_seconds
+        # ``total`` covers the whole leg, the answer's body included (a trickle is cut there);
+        # a streamed decode leg also may not fall silent for longer than ``decode_idle_seconds``.
         self.timeouts: dict[Leg, aiohttp.ClientTimeout] = {
-            "render": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.render_seconds),
-            "prefill": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.prefill_seconds),
-            "decode": aiohttp.ClientTimeout(sock_connect=connect, sock_read=t.decode_seconds),
-            "derender": aiohttp.ClientTimeout(sock_connect=connect, sock_read=config.derender_timeout),
+            "render": aiohttp.ClientTimeout(total=t.render_seconds, sock_connect=connect),
+            "prefill": aiohttp.ClientTimeout(total=t.prefill_seconds, sock_connect=connect),
+            "decode": aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=connect),
+            "derender": aiohttp.ClientTimeout(total=config.derender_timeout, sock_connect=connect),
         }
+        lim = config.limits
+        self.answer_bytes: dict[Leg, int] = {"render": lim.render_answer_bytes, "prefill": lim.prefill_answer_bytes,
+                                             "decode": lim.decode_answer_bytes, "derender": lim.derender_answer_bytes}
+        self.stream_timeout = aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=connect,
+                                                    sock_read=t.decode_idle_seconds)
         self._background: set[asyncio.Task] = set()
 
     # -- one attempt ---------------------------------------------------------------------------
@@ -107,8 +139,12 @@ class Upstream:
         started = time.monotonic()
         try:
             async with self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
-                                         timeout=self.timeouts[leg]) as resp:
-                return Reply(resp.status, await resp.read(), url)
+                                         timeout=self.timeouts[leg], **NO_REDIRECTS) as resp:
+                if is_redirect(resp.status):
+                    raise LegError(leg, "redirect", url, resp.status)
+                if encoded(resp):
+                    raise LegError(leg, "invalid", url, resp.status, detail="a compressed answer")
+                return Reply(resp.status, await read_bounded(resp, leg, url, self.answer_bytes[leg]), url)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise transport_error(leg, url, exc) from exc
         finally:
@@ -158,8 +194,8 @@ class Upstream:
     # -- the decode leg ------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def decode(self, body: bytes, headers: Mapping[str, str],
-                     inflight: InFlight | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def decode(self, body: bytes, headers: Mapping[str, str], inflight: InFlight | None = None,
+                     stream: bool = False) -> AsyncIterator[aiohttp.ClientResponse]:
         """The local engine's response, open; leaving the block early closes the connection
         (which makes vLLM abort the request)."""
         started = time.monotonic()
@@ -168,11 +204,17 @@ class Upstream:
             headers = inflight.headers
         try:
             resp = await self.session.post(url + wire.GENERATE, data=body, headers={**headers, **JSON_HEADERS},
-                                           timeout=self.timeouts["decode"])
+                                           timeout=self.stream_timeout if stream else self.timeouts["decode"],
+                                           **NO_REDIRECTS)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             error = transport_error("decode", url, exc)
             self.metrics.leg_errors.labels("decode", error.kind).inc()
             raise error from exc
+        if is_redirect(resp.status) or encoded(resp):
+            resp.close()
+            kind = "redirect" if is_redirect(resp.status) else "invalid"
+            self.metrics.leg_errors.labels("decode", kind).inc()
+            raise LegError("decode", kind, url, resp.status, detail="" if kind == "redirect" else "a compressed answer")
         if inflight is not None:
             inflight.urls.add(url)
         try:
@@ -212,7 +254,7 @@ class Upstream:
         body = json.dumps({"request_ids": [engine_request_id]}).encode()
         try:  # with the legs' headers: the abort belongs to the same request and trace
             async with self.session.post(url + wire.ABORT, data=body, headers={**headers, **JSON_HEADERS},
-                                         timeout=ABORT_TIMEOUT) as resp:
+                                         timeout=ABORT_TIMEOUT, **NO_REDIRECTS) as resp:
                 await resp.read()
                 if resp.status != 200:
                     log.warning("abort of %s on %s answered %s", engine_request_id, url, resp.status)
@@ -221,7 +263,7 @@ class Upstream:
 
     async def healthy(self, url: str) -> bool:
         try:
-            async with self.session.get(url + wire.HEALTH, timeout=PROBE_TIMEOUT) as resp:
+            async with self.session.get(url + wire.HEALTH, timeout=PROBE_TIMEOUT, **NO_REDIRECTS) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -230,7 +272,8 @@ class Upstream:
     async def served_capabilities(self) -> dict[str, Any] | Literal["absent"] | None:
         """The decode engine's ``/disagg/v1/capabilities``; "absent" without the extension, None if unreachable."""
         try:
-            async with self.session.get(self.decode_url + wire.CAPABILITIES, timeout=PROBE_TIMEOUT) as resp:
+            async with self.session.get(self.decode_url + wire.CAPABILITIES, timeout=PROBE_TIMEOUT,
+                                        **NO_REDIRECTS) as resp:
                 body = await resp.read()
                 if resp.status == 404:
                     return "absent"
@@ -244,7 +287,8 @@ class Upstream:
     async def decode_version(self) -> str | None:
         """The decode engine's own ``GET /version`` (every vLLM server has it); None if it did not say."""
         try:
-            async with self.session.get(self.decode_url + wire.VERSION, timeout=PROBE_TIMEOUT) as resp:
+            async with self.session.get(self.decode_url + wire.VERSION, timeout=PROBE_TIMEOUT,
+                                        **NO_REDIRECTS) as resp:
                 body = await resp.read()
                 version = json.loads(body).get("version") if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
@@ -252,7 +296,7 @@ class Upstream:
         return version if isinstance(version, str) and len(version) <= 64 else None
 
     async def get_json(self, url: str, path: str) -> tuple[int, bytes]:
-        async with self.session.get(url + path, timeout=self.timeouts["render"]) as resp:
+        async with self.session.get(url + path, timeout=self.timeouts["render"], **NO_REDIRECTS) as resp:
             return resp.status, await resp.read()
 
     async def close(self) -> None:

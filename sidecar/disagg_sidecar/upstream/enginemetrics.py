@@ -19,7 +19,7 @@ from disagg_sidecar.upstream import exposition
 from disagg_sidecar import wire
 from disagg_sidecar.config import Exposition
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream.client import Upstream
+from disagg_sidecar.upstream.client import NO_REDIRECTS, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ async def _fetch(up: Upstream, timeout: float) -> str:
     """The engine's exposition; raises LookupError(reason) when there is none to use."""
     try:
         async with up.session.get(up.decode_url + wire.METRICS, headers=_HEADERS,
-                                  timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                                  timeout=aiohttp.ClientTimeout(total=timeout), **NO_REDIRECTS) as resp:
             if resp.status != 200:
                 raise LookupError("status")
             body = bytearray()
@@ -55,6 +55,7 @@ class EngineMetrics:
     def __init__(self, up: Upstream, metrics: Metrics, config: Exposition) -> None:
         self.up, self.metrics, self.config = up, metrics, config
         self._part: tuple[float, str] | None = None  # (monotonic time fetched, engine part)
+        self._fetching: asyncio.Future[bytes] | None = None
 
     async def render(self) -> bytes:
         own = self.metrics.render()
@@ -62,7 +63,21 @@ class EngineMetrics:
             return own
         if self._part is not None and time.monotonic() - self._part[0] < self.config.engine_max_age_seconds:
             return own + self._part[1].encode()
+        # One fetch at a time, shared by every scrape that comes meanwhile (single flight): a
+        # hundred scrapers cost the engine one request, and the sidecar one parse.
+        if self._fetching is None:
+            self._fetching = asyncio.ensure_future(self._fetch_and_render())
+            self._fetching.add_done_callback(self._fetched)
+        return await asyncio.shield(self._fetching)
+
+    def _fetched(self, future: asyncio.Future[bytes]) -> None:
+        self._fetching = None
+        if not future.cancelled():
+            future.exception()  # retrieved: a failure was the fetch's, each scrape sees it
+
+    async def _fetch_and_render(self) -> bytes:
         fetched = time.monotonic()
+        own = self.metrics.render()
         try:
             part = exposition.engine_part(own.decode(), await _fetch(self.up, self.config.engine_timeout_seconds))
         except LookupError as exc:

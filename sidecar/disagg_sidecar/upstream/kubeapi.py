@@ -57,7 +57,8 @@ def headers(access: Access) -> dict[str, str]:
 
 async def get_json(session: aiohttp.ClientSession, access: Access, path: str,
                    timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
-    async with session.get(access.base_url + path, headers=headers(access), timeout=timeout) as resp:
+    async with session.get(access.base_url + path, headers=headers(access), timeout=timeout,
+                           allow_redirects=False) as resp:
         if resp.status != 200:
             raise APIError(resp.status, await resp.text())
         return await resp.json(content_type=None)
@@ -66,7 +67,8 @@ async def get_json(session: aiohttp.ClientSession, access: Access, path: str,
 async def watch(session: aiohttp.ClientSession, access: Access, path: str,
                 timeout: aiohttp.ClientTimeout) -> AsyncIterator[dict[str, Any]]:
     """The events of one watch request, until the server ends it."""
-    async with session.get(access.base_url + path, headers=headers(access), timeout=timeout) as resp:
+    async with session.get(access.base_url + path, headers=headers(access), timeout=timeout,
+                           allow_redirects=False) as resp:
         if resp.status != 200:
             raise APIError(resp.status, await resp.text())
         async for line in _lines(resp.content):

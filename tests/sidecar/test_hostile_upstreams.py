@@ -1,0 +1,668 @@
+"""Hostile upstreams against the real sidecar app (docs/security.md, "Upstream answers"): render,
+prefill and decode engines that redirect, name other hosts, answer wrong shapes, truncate,
+trickle or oversize. Each case asserts the client's answer (an API-shaped error, or the correct
+answer), that nothing reached a host that is no endpoint (the bystander), and that the sidecar
+is healthy after.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import gzip
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from aiohttp import web
+
+from tests.sidecar import upstreams as fake
+from disagg_sidecar.keys import STATE
+from tests.sidecar.support import SERVED, run_sidecar, wait_for
+from tests.sidecar.upstreams import Upstreams
+
+CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+COMPLETION = {"model": SERVED, "prompt": "hi", "max_tokens": 4}
+SIDECAR_PACKAGE = Path(__file__).resolve().parents[2] / "sidecar" / "disagg_sidecar"
+
+
+@pytest.fixture(scope="module")
+def module_ups() -> Iterator[Upstreams]:
+    with fake.upstreams() as ups:
+        yield ups
+
+
+@pytest.fixture
+def ups(module_ups: Upstreams) -> Upstreams:
+    module_ups.reset()
+    return module_ups
+
+
+def post(url: str, path: str, body: dict, timeout: float = 30) -> requests.Response:
+    return requests.post(url + path, json=body, timeout=timeout)
+
+
+def openai_error(resp: requests.Response) -> dict:
+    assert resp.headers["Content-Type"].startswith("application/json"), resp.text[:300]
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+def assert_clean(resp: requests.Response | bytes, ups: Upstreams) -> None:
+    """Nothing of an upstream's address or body in the client's answer; the bystander never asked."""
+    content = resp if isinstance(resp, bytes) else resp.content
+    for up in ups.all():
+        assert up.host_port.encode() not in content, content[:300]
+    assert b"Traceback" not in content and b"10.66.66.66" not in content
+    assert not ups.bystander.calls, [c.path for c in ups.bystander.calls]
+
+
+def assert_healthy(sidecar, ups: Upstreams) -> None:
+    """The sidecar still answers a plain request correctly."""
+    saved = {u.url: dict(u.routes) for u in ups.all()}
+    for u in ups.all():
+        u.routes.clear()
+    try:
+        assert requests.get(sidecar.url + "/health", timeout=10).status_code == 200
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == fake.ANSWER, resp.text
+    finally:
+        for u in ups.all():
+            u.routes.update(saved[u.url])
+
+
+# -- 1. redirects ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("leg", ["render", "prefill", "decode", "decode-stream", "models", "generate"])
+def test_no_redirect_is_followed(ups: Upstreams, leg: str, status: int) -> None:
+    """A 3xx from any engine is a 502 in OpenAI's shape that says so; the host it names gets nothing."""
+    tier = {"render": ups.render, "prefill": ups.prefill}.get(leg, ups.decode)
+    path = {"render": "/v1/chat/completions/render", "models": "/v1/models"}.get(leg, "/inference/v1/generate")
+    with run_sidecar(fake.config(ups)) as sidecar:
+        tier.routes[path] = fake.redirect(ups.bystander.url, status)
+        if leg == "models":
+            resp = requests.get(sidecar.url + "/v1/models", timeout=30)
+        elif leg == "generate":
+            resp = post(sidecar.url, "/inference/v1/generate", {"token_ids": fake.PROMPT_IDS,
+                                                                 "sampling_params": {"max_tokens": 2}})
+        else:
+            resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": leg == "decode-stream"})
+        assert resp.status_code == 502, resp.text
+        error = openai_error(resp)
+        assert error["type"] == "BadGatewayError"
+        assert "redirect" in error["message"] or "status 3" in error["message"], error
+        assert_clean(resp, ups)
+        tier.routes.clear()
+        assert_healthy(sidecar, ups)
+
+
+def test_a_redirecting_prefill_engine_falls_back_to_decode(ups: Upstreams) -> None:
+    """failure_policy fallback: decode prefills the prompt itself; the answer is the right one."""
+    ups.prefill.routes["/inference/v1/generate"] = fake.redirect(ups.bystander.url)
+    with run_sidecar(fake.config(ups, prefill={"failure_policy": "fallback"})) as sidecar:
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback", resp.text
+        assert resp.json()["choices"][0]["message"]["content"] == fake.ANSWER
+        (leg,) = ups.decode.posts("/inference/v1/generate")
+        assert leg.body["kv_transfer_params"] is None
+        assert_clean(resp, ups)
+
+
+def test_every_upstream_call_refuses_redirects() -> None:
+    """Each ``session.get``/``post`` in the sidecar passes ``allow_redirects=False`` (directly or
+    as ``**NO_REDIRECTS``): the per-leg tests above cover today's calls, this one the next."""
+    missing = []
+    for path in SIDECAR_PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("get", "post", "request", "put", "delete")):
+                continue
+            owner = node.func.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name != "session":
+                continue
+            kws = {k.arg: k.value for k in node.keywords}
+            ok = (isinstance(kws.get("allow_redirects"), ast.Constant) and kws["allow_redirects"].value is False) \
+                or any(k.arg is None and getattr(k.value, "id", "") == "NO_REDIRECTS" for k in node.keywords)
+            if not ok:
+                missing.append(f"{path.relative_to(SIDECAR_PACKAGE)}:{node.lineno}")
+    assert not missing, missing
+
+
+
+# -- 2. kv_transfer_params ---------------------------------------------------------------------------
+
+def nixl_params(**over) -> dict:
+    """What vLLM's NixlConnector returns from a prefill engine at 127.0.0.1 (side channel 5600)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4],
+            "remote_engine_id": "engine-a", "remote_request_id": "r1", "remote_host": "127.0.0.1",
+            "remote_port": 5600, "tp_size": 1, **over}
+
+
+HOSTILE_KV = {
+    "another host": nixl_params(remote_host="10.66.66.66", remote_port=22),
+    "another port": nixl_params(remote_port=22),
+    "a name for the host": nixl_params(remote_host="localhost"),
+    "a port as text": nixl_params(remote_port="5600"),
+    "not an object": [nixl_params()],
+    "no engine id": {k: v for k, v in nixl_params().items() if k != "remote_engine_id"},
+    "block ids as text": nixl_params(remote_block_ids="1,2"),
+    "a nested object": nixl_params(extra={"remote_host": "10.66.66.66"}),
+    "decode asked to send": nixl_params(do_remote_decode=True),
+}
+
+
+def nixl_config(ups: Upstreams, **prefill) -> dict:
+    return fake.config(ups, kv_connector="NixlConnector", prefill=prefill)
+
+
+def prefill_answering(params) -> fake.Handler:
+    return fake.answer_json({"request_id": "p", "kv_transfer_params": params,
+                             "choices": [{"index": 0, "token_ids": [21], "finish_reason": "length"}]})
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_KV))
+def test_kv_params_naming_anything_but_the_prefilled_endpoint_never_reach_decode(ups: Upstreams, case: str) -> None:
+    ups.prefill.routes["/inference/v1/generate"] = prefill_answering(HOSTILE_KV[case])
+    with run_sidecar(nixl_config(ups)) as sidecar:  # failure_policy fail: a 502 that says why
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 502 and resp.headers["x-disagg-prefill"] == "failed", resp.text
+        assert openai_error(resp)["message"].startswith("The prefill tier answered with an invalid answer (")
+        assert not ups.decode.posts("/inference/v1/generate"), "nothing reached decode"
+        assert_clean(resp, ups)
+    ups.decode.calls.clear()
+    with run_sidecar(nixl_config(ups, failure_policy="fallback")) as sidecar:  # decode prefills itself
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback", resp.text
+        assert resp.json()["choices"][0]["message"]["content"] == fake.ANSWER
+        (leg,) = ups.decode.posts("/inference/v1/generate")
+        assert leg.body["kv_transfer_params"] is None
+        assert_clean(resp, ups)
+
+
+def test_kv_params_of_the_prefilled_endpoint_reach_decode_as_they_are(ups: Upstreams) -> None:
+    for ports, port in (((5600,), 5600), ((5700, 5701), 5701)):
+        ups.reset()
+        params = nixl_params(remote_port=port, remote_block_ids=[[1, 2], [3]], remote_prefill_cached_tokens=4)
+        ups.prefill.routes["/inference/v1/generate"] = prefill_answering(params)
+        with run_sidecar(nixl_config(ups, side_channel_ports=list(ports))) as sidecar:
+            resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+            assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "remote", resp.text
+        (leg,) = ups.decode.posts("/inference/v1/generate")
+        assert leg.body["kv_transfer_params"] == params
+
+
+def test_a_clients_kv_params_in_its_chat_request_never_reach_decode(ups: Upstreams) -> None:
+    """The decode leg's parser context is the client's request: its kv_transfer_params (top level
+    or in vllm_xargs) are taken out, the rest stays as the client sent it."""
+    inline = {"output_modes": ["derender"], "streaming_output_modes": ["derender"],
+              "derender_context_forms": ["chat_request"]}
+    hostile = {"remote_host": "10.66.66.66", "remote_port": 22, "do_remote_prefill": True}
+    body = {**CHAT, "kv_transfer_params": hostile, "vllm_xargs": {"kv_transfer_params": hostile, "keep": 1}}
+    with run_sidecar(fake.config(ups, decode={"capabilities": inline})) as sidecar:
+        for stream in (False, True):
+            ups.decode.calls.clear()
+            resp = post(sidecar.url, "/v1/chat/completions", {**body, "stream": stream})
+            assert resp.status_code == 200, resp.text
+            (leg,) = ups.decode.posts("/inference/v1/generate")
+            assert leg.body["output_mode"] == "derender" and leg.body["kv_transfer_params"] is None
+            assert leg.body["chat_request"] == {**CHAT, "stream": stream, "vllm_xargs": {"keep": 1}}
+            assert b"10.66.66.66" not in json.dumps(leg.body).encode()
+
+
+# -- 3. wrong shapes ---------------------------------------------------------------------------------
+
+def gzipped(obj) -> bytes:
+    return gzip.compress(json.dumps(obj).encode())
+
+
+GZIP = {"Content-Encoding": "gzip"}
+BAD_RENDER = {
+    "not JSON": fake.answer_raw(b"<html>10.66.66.66</html>"),
+    "a list": fake.answer_json([fake.rendered()]),
+    "token_ids as text": fake.answer_json({**fake.rendered(), "token_ids": "11 12"}),
+    "no token_ids": fake.answer_json({k: v for k, v in fake.rendered().items() if k != "token_ids"}),
+    "empty token_ids": fake.answer_json({**fake.rendered(), "token_ids": []}),
+    "a token id of 2^63": fake.answer_json({**fake.rendered(), "token_ids": [2**63] * 20}),
+    "a negative token id": fake.answer_json({**fake.rendered(), "token_ids": [-1]}),
+    "sampling_params a list": fake.answer_json({**fake.rendered(), "sampling_params": []}),
+    "n of 128 for 1": fake.answer_json({**fake.rendered(), "sampling_params": {"max_tokens": 4, "n": 128}}),
+    "NaN": fake.answer_raw(b'{"token_ids": [1], "sampling_params": {"temperature": NaN}}'),
+    "gzip": fake.answer_raw(gzipped(fake.rendered()), headers=GZIP),
+    "request_id a number": fake.answer_json({**fake.rendered(), "request_id": 7}),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RENDER))
+def test_a_render_answer_of_the_wrong_shape_is_a_502(ups: Upstreams, case: str) -> None:
+    ups.render.routes["/v1/chat/completions/render"] = BAD_RENDER[case]
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for stream in (False, True):
+            resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": stream})
+            assert resp.status_code == 502, resp.text
+            assert openai_error(resp)["message"].startswith("The render tier answered with an invalid answer (")
+        assert not ups.prefill.posts() and not ups.decode.posts(), "nothing went on"
+        assert_clean(resp, ups)
+        ups.render.routes.clear()
+        assert_healthy(sidecar, ups)
+
+
+def test_render_answering_more_requests_than_prompts_sends_no_leg(ups: Upstreams) -> None:
+    """300 requests for one prompt: ``max_legs`` counts what would be sent, so none is."""
+    ups.render.routes["/v1/completions/render"] = fake.answer_json([fake.rendered("cmpl-x")] * 300)
+    with run_sidecar(fake.config(ups)) as sidecar:
+        resp = post(sidecar.url, "/v1/completions", COMPLETION)
+        assert resp.status_code == 502 and "render answered 300 requests for 1 prompt" in openai_error(resp)["message"]
+        assert not ups.prefill.posts() and not ups.decode.posts()
+        ups.render.routes.clear()
+        two = post(sidecar.url, "/v1/completions", {**COMPLETION, "prompt": ["a", "b"]})
+        assert two.status_code == 200 and [c["index"] for c in two.json()["choices"]] == [0, 1], two.text
+
+
+BAD_DECODE = {
+    "not JSON": fake.answer_raw(b"Internal error at pod decode-7f9c 10.66.66.66"),
+    "a list": fake.answer_json([fake.text_answer(None)]),
+    "an error with 200": fake.answer_json({"error": {"message": "engine dead at 10.66.66.66", "code": 500}}),
+    "choices an object": fake.answer_json({**fake.text_answer(None), "choices": {"0": {}}}),
+    "a choice index of 5 for n = 1": fake.answer_json(
+        {**fake.text_answer(None), "choices": [{"index": 5, "text": "x", "finish_reason": "stop"}]}),
+    "3000 choices for n = 1": fake.answer_json(
+        {**fake.text_answer(None), "choices": [{"index": i, "text": "x"} for i in range(3000)]}),
+    "token ids as text": fake.answer_json(
+        {**fake.text_answer(None), "choices": [{"index": 0, "text": "x", "token_ids": ["a"]}]}),
+    "text a number": fake.answer_json({**fake.text_answer(None), "choices": [{"index": 0, "text": 5}]}),
+    "usage a list": fake.answer_json({**fake.text_answer(None), "usage": [1]}),
+    "gzip": fake.answer_raw(gzipped(fake.text_answer(None)), headers=GZIP),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODE))
+def test_a_decode_answer_of_the_wrong_shape_is_a_502(ups: Upstreams, case: str) -> None:
+    ups.decode.routes["/inference/v1/generate"] = BAD_DECODE[case]
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
+                           ("/inference/v1/generate", {"token_ids": fake.PROMPT_IDS, "sampling_params": {"max_tokens": 2}})):
+            resp = post(sidecar.url, path, body)
+            assert resp.status_code == 502, (path, resp.text)
+            assert openai_error(resp)["message"].startswith("The decode engine answered with an invalid answer (")
+            assert "Content-Encoding" not in resp.headers
+            assert_clean(resp, ups)
+        ups.decode.routes.clear()
+        assert_healthy(sidecar, ups)
+
+
+def test_upstream_error_bodies_are_summarised_and_an_engine_key_refusal_is_a_502(ups: Upstreams) -> None:
+    leak = b"<html>403 at decode-7f9c-xk2 (10.66.66.66)</html>"
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for status, want in ((404, 404), (422, 422), (401, 502), (403, 502)):
+            for tier, path in ((ups.render, "/v1/chat/completions/render"), (ups.decode, "/inference/v1/generate")):
+                ups.reset()
+                tier.routes[path] = fake.answer_raw(leak, status=status)
+                resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+                assert resp.status_code == want, resp.text
+                error = openai_error(resp)
+                assert b"decode-7f9c" not in resp.content and b"html" not in resp.content, error
+                if want == 502:
+                    assert "engine key" in error["message"] and error["type"] == "BadGatewayError"
+                else:
+                    assert error["message"].endswith(f"refused the request (status {status})")
+                assert_clean(resp, ups)
+        ups.reset()
+        ups.render.routes["/v1/chat/completions/render"] = fake.answer_json(
+            {"error": {"message": "This model's maximum context length is 8 tokens", "type": "BadRequestError",
+                       "param": "messages", "code": 400, "extra": "dropped"}}, status=400)
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 400 and openai_error(resp) == {
+            "message": "This model's maximum context length is 8 tokens", "type": "BadRequestError",
+            "param": "messages", "code": 400}, "an engine's own OpenAI error passes, rebuilt from its fields"
+
+
+# -- 4. streams without their end ----------------------------------------------------------------------
+
+def read_stream(resp: requests.Response) -> list:
+    events = []
+    for block in resp.content.split(b"\n\n"):
+        lines = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
+        if lines:
+            payload = b"\n".join(lines)
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def stream_error(resp: requests.Response) -> dict:
+    """The error the client of a stream sees: an HTTP error before the first event, else the last
+    event, never followed by ``[DONE]``."""
+    if resp.status_code != 200:
+        return openai_error(resp)
+    events = read_stream(resp)
+    assert events and events[-1] != "[DONE]" and "[DONE]" not in events, events[-3:]
+    assert set(events[-1]) == {"error"}, events[-1]
+    return events[-1]["error"]
+
+
+EVENTS = fake.text_events()
+BAD_STREAMS = {
+    "no [DONE]": fake.sse_bytes(EVENTS, done=False),
+    "no finish reason": fake.sse_bytes(EVENTS[:1]),
+    "cut inside an event": fake.sse_bytes(EVENTS, done=False) + b'data: {"choices": [',
+    "no data lines": b"event: x\n\n: comment\n\nid: 1\n\n",
+    "an event that is not JSON": fake.sse_bytes([EVENTS[0], b"<html>10.66.66.66</html>", EVENTS[1]]),
+    "an event that is a list": fake.sse_bytes([EVENTS[0], b"[1, 2]", EVENTS[1]]),
+    "a choice index beyond n": fake.sse_bytes([EVENTS[0], {**EVENTS[1], "choices": [{"index": 9, "text": "x"}]}]),
+    "events after [DONE]": fake.sse_bytes(EVENTS) + fake.sse_bytes(EVENTS),
+    "2 MiB without a separator": fake.sse_bytes(EVENTS[:1], done=False) + b"data: " + b"x" * (2 << 20),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STREAMS))
+def test_a_decode_stream_without_its_proper_end_is_an_error_the_client_sees(ups: Upstreams, case: str) -> None:
+    ups.decode.routes["/inference/v1/generate"] = fake.stream_raw(BAD_STREAMS[case])
+    with run_sidecar(fake.config(ups, limits={"upstream_event_bytes": 1 << 20})) as sidecar:
+        for path, body in (("/v1/chat/completions", {**CHAT, "stream": True}),
+                           ("/v1/completions", {**COMPLETION, "stream": True}),
+                           ("/inference/v1/generate", {"token_ids": fake.PROMPT_IDS, "stream": True,
+                                                       "sampling_params": {"max_tokens": 2}})):
+            resp = post(sidecar.url, path, body)
+            error = stream_error(resp)
+            assert error["code"] == 502 and error["message"].startswith(
+                "The decode engine answered with an invalid answer ("), (path, error)
+            assert_clean(resp, ups)
+        ups.decode.routes.clear()
+        assert_healthy(sidecar, ups)
+
+
+def test_a_proper_stream_still_ends_with_done(ups: Upstreams) -> None:
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for path, body in (("/v1/chat/completions", {**CHAT, "stream": True, "n": 2}),
+                           ("/inference/v1/generate", {"token_ids": fake.PROMPT_IDS, "stream": True,
+                                                       "sampling_params": {"max_tokens": 2, "n": 2}})):
+            events = read_stream(post(sidecar.url, path, body))
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+            finished = {c["index"] for e in events[:-1] for c in e["choices"] if c.get("finish_reason")}
+            assert finished == {0, 1}
+
+
+TOKENS_DECODE = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+
+
+def chained_config(ups: Upstreams) -> dict:
+    """Decode answers tokens; the render tier derenders them (the chained path)."""
+    return fake.config(ups, decode={"capabilities": TOKENS_DECODE}, engine={"extension": False,
+                                                                           "derender_sessions": False})
+
+
+def tokens_decode(request, body):
+    stream = bool(body.get("stream"))
+    if stream:
+        return fake.stream_raw(fake.sse_bytes(fake.tokens_answer(True)))(request, body)
+    return fake.answer_json(fake.tokens_answer(False))(request, body)
+
+
+BAD_DERENDER = {  # case -> (answer, for the batch call, for the streamed calls)
+    "not JSON": (fake.answer_raw(b"<html>10.66.66.66</html>"), True, True),
+    "a list": (fake.answer_json([]), True, True),
+    "a choice without message or text": (fake.answer_json({"choices": [{"index": 0}]}), True, False),
+    "a choice index beyond n": (fake.answer_json({"choices": [{"index": 300, "message": {}}],
+                                                  "chunk": {"choices": [{"index": 300}]}, "stream_state": {}}), True, True),
+    "no stream_state": (fake.answer_json({"chunk": {"choices": []}}), False, True),
+    "chunk a list": (fake.answer_json({"chunk": [], "stream_state": {}}), False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DERENDER))
+def test_a_derender_answer_of_the_wrong_shape_is_an_error(ups: Upstreams, case: str) -> None:
+    ups.decode.routes["/inference/v1/generate"] = tokens_decode
+    answer, batch, streamed = BAD_DERENDER[case]
+    with run_sidecar(chained_config(ups)) as sidecar:
+        good = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] == fake.ANSWER, good.text
+        good = read_stream(post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True}))
+        assert good[-1] == "[DONE]" and "".join(e["choices"][0]["delta"].get("content") or ""
+                                                for e in good[:-1] if e["choices"]) == fake.ANSWER, good
+        ups.render.routes["/v1/chat/completions/derender"] = answer
+        for stream in [s for s, bad in ((False, batch), (True, streamed)) if bad]:
+            resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": stream})
+            error = stream_error(resp) if stream else openai_error(resp)
+            assert resp.status_code in (200, 502) and error["message"].startswith(
+                "The derender tier answered with an invalid answer ("), (stream, error)
+            assert_clean(resp, ups)
+
+
+# -- 5. deadlines --------------------------------------------------------------------------------------
+
+def timed_post(url: str, path: str, body: dict) -> tuple[requests.Response, float]:
+    started = time.monotonic()
+    resp = post(url, path, body, timeout=60)
+    return resp, time.monotonic() - started
+
+
+@pytest.mark.parametrize("leg", ["render", "prefill", "decode", "decode-stream-silent", "decode-stream-trickle"])
+def test_a_trickling_or_silent_engine_holds_no_client_or_slot_past_its_deadline(ups: Upstreams, leg: str) -> None:
+    """Each leg's deadline covers the whole leg: a byte every 0.2 s (the answer would take minutes)
+    or silence after the headers ends at the deadline, the slot given back."""
+    every = 0.2
+    if leg == "render":
+        ups.render.routes["/v1/chat/completions/render"] = fake.trickle(json.dumps(fake.rendered()).encode(), every)
+    elif leg == "prefill":
+        ups.prefill.routes["/inference/v1/generate"] = fake.trickle(json.dumps({"kv_transfer_params": None}).encode(),
+                                                                    every)
+    elif leg == "decode":
+        ups.decode.routes["/inference/v1/generate"] = fake.trickle(json.dumps(fake.text_answer(None)).encode(), every)
+    elif leg == "decode-stream-silent":
+        ups.decode.routes["/inference/v1/generate"] = fake.silent_after(fake.sse_bytes(fake.text_events()[:1], False))
+    else:  # bytes keep coming, but the whole stream takes longer than decode_seconds
+        ups.decode.routes["/inference/v1/generate"] = fake.trickle(fake.sse_bytes(fake.text_events()), every,
+                                                                   "text/event-stream")
+    timeouts = {"render_seconds": 1, "prefill_seconds": 1, "decode_seconds": 2, "decode_idle_seconds": 1}
+    with run_sidecar(fake.config(ups, timeouts=timeouts)) as sidecar:
+        resp, took = timed_post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": leg.startswith("decode-stream")})
+        assert took < 6, took
+        if leg.startswith("decode-stream"):  # cut like a decode engine that went away: vLLM's error event, [DONE]
+            if resp.status_code == 200:  # after the first event
+                events = read_stream(resp)
+                assert events[-1] == "[DONE]" and set(events[-2]) == {"error"}, events
+                error = events[-2]["error"]
+            else:  # before it
+                error = openai_error(resp)
+            assert error == {"message": "The decode engine failed: timeout", "type": "BadGatewayError",
+                             "param": None, "code": 502}, error
+        else:
+            assert resp.status_code in (502, 503), resp.text
+            assert "timeout" in openai_error(resp)["message"]
+        assert_clean(resp, ups)
+        assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=5), "the slot is given back"
+        ups.reset()
+        assert_healthy(sidecar, ups)
+
+
+# -- 6. sizes and numbers --------------------------------------------------------------------------------
+
+def test_an_answer_over_its_legs_size_bound_is_a_502_and_never_held_whole(ups: Upstreams) -> None:
+    big = {**fake.rendered(), "padding": "x" * (1 << 20)}
+    limits = {"render_answer_bytes": 1 << 17, "prefill_answer_bytes": 1 << 17, "decode_answer_bytes": 1 << 17}
+    with run_sidecar(fake.config(ups, limits=limits)) as sidecar:
+        for tier, path in ((ups.render, "/v1/chat/completions/render"), (ups.prefill, "/inference/v1/generate"),
+                           (ups.decode, "/inference/v1/generate")):
+            ups.reset()
+            tier.routes[path] = fake.answer_json(big)
+            resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+            assert resp.status_code == 502, resp.text
+            assert "answered with an answer over its size limit" in openai_error(resp)["message"]
+            assert_clean(resp, ups)
+        ups.reset()
+        assert_healthy(sidecar, ups)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/inference/v1/generate", {"token_ids": [2**63] * 20, "sampling_params": {"max_tokens": 1}}),
+    ("/inference/v1/generate", {"token_ids": [2**31], "sampling_params": {"max_tokens": 1}}),
+    ("/inference/v1/generate", {"token_ids": [-1, 5], "sampling_params": {"max_tokens": 1}}),
+    ("/v1/completions", {**COMPLETION, "prompt": [2**63] * 20}),
+    ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [2**64]]}),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"extra_args": ["kv_transfer_params"]}}),
+])
+def test_token_ids_no_vocabulary_has_are_a_400_before_any_leg(ups: Upstreams, path: str, body: dict) -> None:
+    with run_sidecar(fake.config(ups, prefill={"selection": "prefix-affinity", "affinity_block_tokens": 4})) as sidecar:
+        resp = post(sidecar.url, path, body)
+        assert resp.status_code == 400 and openai_error(resp)["type"] == "BadRequestError", resp.text
+        assert not any(u.posts() for u in ups.all()), "nothing was sent"
+        assert_healthy(sidecar, ups)
+
+
+# -- 7. probes, metrics and the drain hook -----------------------------------------------------------------
+
+def _drained_from(url: str, source: str, got: list) -> threading.Thread:
+    """GET /health/drained from the loopback address ``source`` (as another host would ask)."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+
+    def run() -> None:
+        with socket.create_connection((host, int(port)), timeout=30, source_address=(source, 0)) as s:
+            s.sendall(b"GET /health/drained HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        got.append((source, int(data.split(b" ", 2)[1]), time.monotonic()))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_drain_hook_cannot_be_exhausted_from_other_addresses(ups: Upstreams) -> None:
+    """Many waiters from other addresses (each gets one; more from one address: 429) do not turn
+    away the hook's request from the node's address: it waits for the SIGTERM like any first one."""
+    with run_sidecar(fake.config(ups)) as sidecar:
+        got: list = []
+        started = time.monotonic()
+        attackers = [_drained_from(sidecar.url, f"127.0.0.{i}", got) for i in range(2, 8) for _ in range(2)]
+        assert wait_for(lambda: sum(1 for _, status, _ in got if status == 429) == 6, timeout=5), got
+        kubelet = _drained_from(sidecar.url, "127.0.0.100", got)
+        for t in [*attackers, kubelet]:
+            t.join(30)
+        by_source = {source: status for source, status, _ in got if status != 429}
+        assert by_source["127.0.0.100"] == 409, got  # waited for a SIGTERM, was not turned away
+        assert sorted(status for _, status, _ in got) == [409] * 7 + [429] * 6
+        assert time.monotonic() - started < 20
+
+
+def test_concurrent_scrapes_share_one_engine_metrics_fetch(ups: Upstreams) -> None:
+    text = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
+
+    async def slow_metrics(request, body):
+        await asyncio.sleep(0.5)  # a slow engine: the scrapes overlap
+        return web.Response(text=text, content_type="text/plain")
+
+    ups.decode.routes["/metrics"] = slow_metrics
+    with run_sidecar(fake.config(ups, metrics={"include_engine": True, "engine_max_age_seconds": 0})) as sidecar:
+        with ThreadPoolExecutor(50) as pool:
+            answers = list(pool.map(lambda _: requests.get(sidecar.url + "/metrics", timeout=30), range(50)))
+        assert all(a.status_code == 200 and "vllm:num_requests_running 3" in a.text for a in answers)
+        fetches = sum(1 for c in ups.decode.calls if c.path == "/metrics")
+        assert 1 <= fetches <= 5, fetches
+
+
+def test_models_takes_a_slot(ups: Upstreams) -> None:
+    async def slow_models(request, body):
+        await asyncio.sleep(1)
+        return web.json_response({"object": "list", "data": [{"id": SERVED}]})
+
+    ups.decode.routes["/v1/models"] = slow_models
+    with run_sidecar(fake.config(ups, limits={"max_concurrent_requests": 2})) as sidecar:
+        with ThreadPoolExecutor(6) as pool:
+            statuses = sorted(pool.map(lambda _: requests.get(sidecar.url + "/v1/models", timeout=30).status_code,
+                                       range(6)))
+        assert statuses.count(200) >= 2 and statuses.count(503) >= 2, statuses
+        assert sum(1 for c in ups.decode.calls if c.path == "/v1/models") <= 2 + 1  # + the startup probe's
+
+
+# -- 8. smaller client-side items ------------------------------------------------------------------------
+
+def raw_exchange(url: str, head: bytes, body: bytes = b"", wait_first: bool = False) -> bytes:
+    """Send ``head`` (and ``body``, after the first answer bytes with ``wait_first``); all answered bytes."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head)
+        first = s.recv(65536)
+        if body and wait_first and first.startswith(b"HTTP/1.1 100"):
+            s.sendall(body)
+        elif body and not wait_first:
+            s.sendall(body)
+        data = first
+        while b"\r\n\r\n" not in data.split(b"HTTP/1.1 100 Continue\r\n\r\n")[-1] or len(data) < 20:
+            if not (chunk := s.recv(65536)):
+                break
+            data += chunk
+        return data
+
+
+def test_expect_headers(ups: Upstreams, tmp_path: Path) -> None:
+    body = json.dumps(CHAT).encode()
+
+    def head(expect: str, key: str | None = None) -> bytes:
+        auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nExpect: {expect}\r\n{auth}Connection: close\r\n\r\n").encode()
+
+    with run_sidecar(fake.config(ups)) as sidecar:
+        answer = raw_exchange(sidecar.url, head("foo"))
+        assert answer.startswith(b"HTTP/1.1 417") and b"application/json" in answer, answer[:300]
+        assert b'"Expect supports only 100-continue"' in answer
+        answer = raw_exchange(sidecar.url, head("100-continue"), body, wait_first=True)
+        assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in answer, answer[:300]
+    keyfile = tmp_path / "client-key"
+    keyfile.write_text("sekrit")
+    with run_sidecar(fake.config(ups, auth={"client_api_key_file": str(keyfile)})) as sidecar:
+        before = len(ups.render.posts())
+        answer = raw_exchange(sidecar.url, head("100-continue"), body, wait_first=True)
+        assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, answer[:300]
+        assert len(ups.render.posts()) == before
+        answer = raw_exchange(sidecar.url, head("100-continue", "sekrit"), body, wait_first=True)
+        assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in answer, answer[:300]
+
+
+def test_numbers_no_double_holds_are_a_400(ups: Upstreams) -> None:
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for body in (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}',
+                     b'{"model": "m", "prompt": "hi", "top_p": -1E+999}'):
+            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+            resp = requests.post(sidecar.url + path, data=body, headers={"Content-Type": "application/json"},
+                                 timeout=30)
+            assert resp.status_code == 400 and "out of range" in openai_error(resp)["message"], resp.text
+        assert not any(u.posts() for u in ups.all())
+
+
+def test_an_invalid_traceparent_is_not_forwarded(ups: Upstreams) -> None:
+    valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with run_sidecar(fake.config(ups)) as sidecar:
+        for value, forwarded in ((valid, True), ("00-" + "0" * 32 + "-00f067aa0ba902b7-01", False),
+                                 ("00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01", False),
+                                 ("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", False),
+                                 ("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", False)):
+            ups.reset()
+            resp = requests.post(sidecar.url + "/v1/chat/completions", json=CHAT, headers={"traceparent": value},
+                                 timeout=30)
+            assert resp.status_code == 200, resp.text
+            for up in (ups.render, ups.prefill, ups.decode):
+                (call,) = up.posts()
+                assert (call.headers.get("traceparent") == value) if forwarded else "traceparent" not in {
+                    k.lower() for k in call.headers}, (value, call.headers)
+
+
+def test_a_float_logprobs_is_held_to_the_limit(ups: Upstreams) -> None:
+    with run_sidecar(fake.config(ups, limits={"max_logprobs": 5})) as sidecar:
+        for logprobs in (25.0, 6.0):
+            resp = post(sidecar.url, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
+                "max_tokens": 1, "logprobs": logprobs}})
+            assert resp.status_code == 400 and "greater than max allowed: 5" in openai_error(resp)["message"]
+        assert not any(u.posts() for u in ups.all())
+        ok = post(sidecar.url, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
+            "max_tokens": 1, "logprobs": 5.0}})
+        assert ok.status_code == 200, ok.text
