@@ -105,6 +105,7 @@ def test_prefill_route(remote, prompt, threshold, expected) -> None:
     ("chat", {"messages": [], "n": 0}, 400),
     ("chat", {"messages": [], "n": True}, 400),
     ("completions", {"prompt": "x", "echo": True}, 400),
+    ("chat", {"messages": [], "use_beam_search": True}, 400),
 ])
 def test_openai_request_checks(api, body, status) -> None:
     with pytest.raises(SidecarError) as err:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from disagg_sidecar import wire
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import bad_request
+from disagg_sidecar.plan import options
 
 Api = Literal["chat", "completions", "generate"]
 Chain = Literal["chat", "completions"]
@@ -96,9 +97,7 @@ def check_openai_request(api: Api, body: Any) -> None:
     n = body.get("n")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise bad_request("n must be a positive integer", "n")
-    if api == "completions" and body.get("echo"):
-        raise bad_request("echo is not supported on the disaggregated path (the engines never see the prompt text)",
-                          "echo")
+    options.check(api, body)
 
 
 def check_generate_request(body: Any) -> None:
