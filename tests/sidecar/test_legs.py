@@ -164,15 +164,19 @@ def test_decode_body(mode, context, expected_context) -> None:
         assert body.endswith(b',"chat_request":' + client + b"}")  # the client's bytes, not re-serialised
 
 
-@pytest.mark.parametrize("mode, stop, detokenize", [
-    ("tokens", None, False), ("tokens", [], False),  # the derender tier makes the text
-    ("tokens", ["\n\n"], None),  # the engine's stop strings need its detokenizer
-    ("text", None, None), ("derender", None, None),
+@pytest.mark.parametrize("mode, stop, detokenize, prompt_logprobs", [
+    ("tokens", None, False, None), ("tokens", [], False, None),  # the derender tier makes the text
+    ("tokens", ["\n\n"], None, None),  # the engine's stop strings need its detokenizer
+    ("tokens", None, None, 0),  # prompt logprobs' decoded_token is the engine detokenizer's
+    ("text", None, None, None), ("derender", None, None, None),
 ])
-def test_a_tokens_decode_leg_is_not_detokenized_unless_stop_strings_need_it(mode, stop, detokenize) -> None:
+def test_a_tokens_decode_leg_is_not_detokenized_unless_stop_strings_need_it(mode, stop, detokenize,
+                                                                            prompt_logprobs) -> None:
     rendered = gen()
     if stop is not None:
         rendered["sampling_params"] = {**rendered["sampling_params"], "stop": stop}
+    if prompt_logprobs is not None:
+        rendered["sampling_params"] = {**rendered["sampling_params"], "prompt_logprobs": prompt_logprobs}
     body = json.loads(legs.decode_body(rendered, None, mode, None, None))
     assert body["sampling_params"].get("detokenize") == detokenize
     assert "detokenize" not in rendered["sampling_params"]  # render's answer is left as it was

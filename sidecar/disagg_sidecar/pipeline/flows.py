@@ -115,10 +115,12 @@ class Flows:
         async def one(i: int, gen: Mapping[str, Any]) -> tuple[list[dict[str, Any]], Any]:
             prefilled = await self.pools.prefill(gen, ctx)
             out = await self.decoder.batch(gen, prefilled.kv, decode_plan, ctx, None)
+            prompt_logprobs = out.get("prompt_logprobs")  # the decode engine's, for every choice
             if decisions.answered_mode(out) != "text":
                 out = await chained.completion_batch(out, derender(gen), chained.Options.of(body, gen), tier)
             s = shape(i, prefilled)
-            return shapes.completion_choices(out, s, gen[wire.TOKEN_IDS]), s.usage(out.get("usage"))
+            choices = shapes.completion_choices(out, s, gen[wire.TOKEN_IDS], prompt_logprobs)
+            return choices, s.usage(out.get("usage"))
 
         if not body.get("stream"):
             parts = await _gather(*(one(i, g) for i, g in enumerate(gens)))

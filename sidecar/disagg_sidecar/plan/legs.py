@@ -97,8 +97,8 @@ def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | 
     slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
     leg = decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim)
     sampling = leg[wire.SAMPLING_PARAMS]
-    if mode == "tokens" and not sampling.get("stop"):
-        sampling["detokenize"] = False
+    if mode == "tokens" and not sampling.get("stop") and sampling.get("prompt_logprobs") is None:
+        sampling["detokenize"] = False  # prompt logprobs need it too: their decoded_token is the detokenizer's
     if mode == "tokens" and leg.get("stream") and stream_interval > 1:
         asked = sampling.get("stream_interval")
         sampling["stream_interval"] = max(asked if type(asked) is int else 1, stream_interval)

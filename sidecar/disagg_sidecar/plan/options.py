@@ -45,6 +45,9 @@ _COMMON: dict[str, Leg] = {
     "user": "ignored",
     "session_id": "ignored",  # an engine scheduling hint: no field of the answer depends on it
     "return_token_offsets": "ignored",  # only render's own answer carries token offsets
+    # The decode engine computes them (vLLM reads no transferred KV for such a request:
+    # ``skip_reading_prefix_cache``), with its detokenizer on for their ``decoded_token`` (``legs``).
+    "prompt_logprobs": "decode",
 }
 
 CARRIED: dict[Api, dict[str, Leg]] = {
@@ -65,6 +68,7 @@ CARRIED: dict[Api, dict[str, Leg]] = {
         "chat_template_kwargs": "render",
         "media_io_kwargs": "render",
         "mm_processor_kwargs": "render",
+        "return_tokens_as_token_ids": "sidecar",  # derender.fixes.chat_tokens_as_ids on the chained path
     },
     "completions": {
         **_COMMON,
@@ -84,8 +88,6 @@ _REFUSED_COMMON: dict[str, tuple[Any, ...]] = {
     "mm_payload": (None, "tensors"),  # "none" empties render's features, which the decode leg reads
     "return_mm_kwargs": (None, True),
     "return_weight_versions": _OFF,  # vLLM 0.33: the engines' weight version is not in a leg's answer
-    "prompt_logprobs": (None,),
-    "return_tokens_as_token_ids": _OFF,
 }
 REFUSED: dict[Api, dict[str, tuple[Any, ...]]] = {
     "chat": {
@@ -97,6 +99,8 @@ REFUSED: dict[Api, dict[str, tuple[Any, ...]]] = {
         **_REFUSED_COMMON,
         "echo": _OFF,
         "prompt_embeds": (None,),  # a GenerateRequest carries token ids, not embeddings
+        # completions logprobs come from /v1/completions/derender, which writes token text
+        "return_tokens_as_token_ids": _OFF,
     },
 }
 
