@@ -15,6 +15,7 @@ COMPLETIONS_DERENDER: Final = "/v1/completions/derender"
 GENERATE: Final = "/inference/v1/generate"
 ABORT: Final = "/inference/v1/abort_requests"
 CAPABILITIES: Final = "/disagg/v1/capabilities"
+DETOKENIZE: Final = "/detokenize"  # the render tier's: vLLM's renderer decodes token ids (echo)
 
 # The engine extension's vLLM plugin name: in VLLM_PLUGINS, pyproject's `vllm.endpoint_plugins`
 # entry point, and the `extension` its capabilities report.

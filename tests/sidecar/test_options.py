@@ -77,6 +77,14 @@ def test_a_refused_field_that_asks_for_something_is_a_400_naming_it(api: str, na
         check_openai_request(api, {**body, name: off})
 
 
+@pytest.mark.parametrize("sampling, reads", [
+    ({"prompt_logprobs": 2, "skip_reading_prefix_cache": True}, False),  # render's answer for prompt_logprobs
+    ({"skip_reading_prefix_cache": False}, True), ({}, True), (None, True),
+])
+def test_a_remote_prefill_is_sent_only_where_decode_reads_its_kv(sampling, reads) -> None:
+    assert options.decode_reads_transferred_kv(sampling) is reads
+
+
 def test_carried_fields_pass_the_check() -> None:
     check_openai_request("chat", {"messages": [], "tools": [], "logprobs": True, "top_logprobs": 2, "seed": 1})
     check_openai_request("completions", {"prompt": "x", "suffix": None, "logprobs": 2, "stop": ["a"]})

@@ -57,6 +57,13 @@ COMPLETION_ROWS: dict[str, tuple[Case, tuple[bool, ...]]] = {
     "prompt_logprobs": (_completion(PLAIN, prompt_logprobs=2), BATCH),
     "prompt_logprobs_and_logprobs": (_completion(MULTIBYTE, prompt_logprobs=0, logprobs=1), BATCH),
     "prompt_logprobs_two_prompts": (_completion(PLAIN, prompt=["Hi 🦙", "Grüße"], prompt_logprobs=1), BATCH),
+    "echo": (_completion(PLAIN, echo=True), BOTH),
+    "echo_logprobs": (_completion(MULTIBYTE, echo=True, logprobs=2), BOTH),
+    "echo_logprobs_two_prompts": (_completion(PLAIN, prompt=["🦙 first", "Grüße"], echo=True, logprobs=0), BOTH),
+    "echo_token_prompt_logprobs": (lambda f: {**_completion(PLAIN, echo=True, logprobs=1)(f),
+                                              "prompt": f.ids(MULTIBYTE_PROMPT, eos=False)}, BOTH),
+    "echo_return_token_ids": (_completion(PLAIN, echo=True, return_token_ids=True), BOTH),
+    "echo_stop_string": (_completion(PLAIN, echo=True, logprobs=1, stop=["is Par"]), BOTH),
 }
 
 
@@ -91,8 +98,42 @@ def test_chat_options_equal_coupled(request, lane_set, forcer, case: str, stream
              chat_stream_full_view if stream else chat_full_view)
 
 
+def _echoes_logprobs(body: dict[str, Any]) -> bool:
+    return bool(body.get("echo")) and body.get("logprobs") is not None
+
+
 @pytest.mark.parametrize("case, stream, n", _rows(COMPLETION_ROWS))
 def test_completions_options_equal_coupled(request, lane_set, forcer, case: str, stream: bool, n: int) -> None:
     body = _stream_options({**COMPLETION_ROWS[case][0](forcer), "stream": stream, "n": n})
-    _compare(lane_set, _sidecars(request, stream), "/v1/completions", body, f"options-{case}-{int(stream)}-{n}",
+    request_id = f"options-{case}-{int(stream)}-{n}"
+    if stream and n > 1 and _echoes_logprobs(body):
+        return _streamed_echo_with_logprobs_equals_coupled_batch(request, lane_set, body, request_id)
+    _compare(lane_set, _sidecars(request, stream), "/v1/completions", body, request_id,
              completion_stream_full_view if stream else completion_full_view)
+
+
+def _streamed_echo_with_logprobs_equals_coupled_batch(request, lane_set, body: dict[str, Any], request_id: str) -> None:
+    """Coupled vLLM (0.32) streams ``echo`` with ``logprobs`` and n > 1 only when the choices' first
+    outputs come in one engine output: its stream generator takes the prompt's logprobs from the
+    first ``RequestOutput`` alone, and a choice starting in a later one fails (``KeyError``, an error
+    event). So the reference per choice is coupled's batch answer for the same request: the text,
+    logprobs, finish and stop reasons a stream's chunks add up to."""
+    fields = ("text", "logprobs", "finish_reason", "stop_reason")
+    reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/completions",
+                                               {k: v for k, v in body.items() if k not in ("stream", "stream_options")},
+                                               request_id))
+    got = {name: completion_stream_full_view(post_raw(s.url, "/v1/completions", body, request_id))
+           for name, s in _sidecars(request, True).items() if name != "stock"}
+    want = completion_full_view(reference.result())
+    got["stock"] = completion_stream_full_view(post_raw(request.getfixturevalue("lane_stock_sidecar").url,
+                                                        "/v1/completions", body, request_id))
+    assert len(want["choices"]) == body["n"] * len(echo_prompts(body))
+    for name, view in got.items():
+        assert {i: {f: c[f] for f in fields} for i, c in view["choices"].items()} == \
+            {i: {f: c[f] for f in fields} for i, c in want["choices"].items()}, name
+        assert view["usage"] == want["usage"], name
+
+
+def echo_prompts(body: dict[str, Any]) -> list[Any]:
+    prompt = body["prompt"]
+    return prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]

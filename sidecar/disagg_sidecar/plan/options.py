@@ -74,6 +74,7 @@ CARRIED: dict[Api, dict[str, Leg]] = {
         **_COMMON,
         "prompt": "render",
         "suffix": "render",
+        "echo": "sidecar",  # derender.echo, from the prompt text and the decode engine's prompt logprobs
     },
 }
 
@@ -97,12 +98,19 @@ REFUSED: dict[Api, dict[str, tuple[Any, ...]]] = {
     },
     "completions": {
         **_REFUSED_COMMON,
-        "echo": _OFF,
         "prompt_embeds": (None,),  # a GenerateRequest carries token ids, not embeddings
         # completions logprobs come from /v1/completions/derender, which writes token text
         "return_tokens_as_token_ids": _OFF,
     },
 }
+
+
+def decode_reads_transferred_kv(sampling_params: Any) -> bool:
+    """Whether the decode engine would use a prefill leg's KV: vLLM reads no cached or transferred
+    KV for a request whose ``SamplingParams.skip_reading_prefix_cache`` is set (render sets it with
+    ``prompt_logprobs``, which need the whole prompt computed where they are asked), so a remote
+    prefill for it would be work thrown away."""
+    return not (isinstance(sampling_params, Mapping) and sampling_params.get("skip_reading_prefix_cache") is True)
 
 
 def refused(api: str, body: Mapping[str, Any]) -> str | None:
