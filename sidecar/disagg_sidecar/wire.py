@@ -18,6 +18,7 @@ GENERATE: Final = "/inference/v1/generate"
 ABORT: Final = "/inference/v1/abort_requests"
 CAPABILITIES: Final = "/disagg/v1/capabilities"
 VERSION: Final = "/version"  # every vLLM server's {"version": ...}
+DETOKENIZE: Final = "/detokenize"  # the render tier's: vLLM's renderer decodes token ids (echo)
 
 # The engine extension's vLLM plugin name: in VLLM_PLUGINS, pyproject's `vllm.endpoint_plugins`
 # entry point, and the `extension` its capabilities report.

@@ -137,12 +137,13 @@ def _full_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def chat_full_view(resp: dict[str, Any]) -> dict[str, Any]:
-    """``chat_view`` plus stop_reason, logprobs, token ids and prompt token ids."""
+    """``chat_view`` plus stop_reason, logprobs, token ids, prompt token ids and prompt logprobs."""
     view = chat_view(resp)
     for c in resp["choices"]:
         view["choices"][c["index"]].update(stop_reason=c.get("stop_reason"), logprobs=c.get("logprobs"),
                                            token_ids=c.get("token_ids"))
     view["prompt_token_ids"] = resp.get("prompt_token_ids")
+    view["prompt_logprobs"] = resp.get("prompt_logprobs")
     view["usage"] = _full_usage(resp.get("usage"))
     return view
 
@@ -183,7 +184,8 @@ def completion_full_view(resp: dict[str, Any]) -> dict[str, Any]:
     view = completion_view(resp)
     for c in resp["choices"]:
         view["choices"][c["index"]].update(stop_reason=c.get("stop_reason"), logprobs=c.get("logprobs"),
-                                           token_ids=c.get("token_ids"))
+                                           token_ids=c.get("token_ids"), prompt_logprobs=c.get("prompt_logprobs"),
+                                           prompt_token_ids=c.get("prompt_token_ids"))
     view["usage"] = _full_usage(resp.get("usage"))
     return view
 
@@ -191,12 +193,15 @@ def completion_full_view(resp: dict[str, Any]) -> dict[str, Any]:
 def completion_stream_full_view(events: Iterable[dict[str, Any] | str]) -> dict[str, Any]:
     events = list(events)
     view = completion_stream_view(events)
-    extra: dict[int, dict[str, Any]] = defaultdict(lambda: {"stop_reason": None, "logprobs": None, "token_ids": None})
+    extra: dict[int, dict[str, Any]] = defaultdict(lambda: {"stop_reason": None, "logprobs": None, "token_ids": None,
+                                                            "prompt_token_ids": None})
     for ev in events:
         if ev == "[DONE]":
             continue
         for c in ev.get("choices", []):
             slot = extra[c["index"]]
+            if slot["prompt_token_ids"] is None:  # coupled: with a choice's first chunk (echo, return_token_ids)
+                slot["prompt_token_ids"] = c.get("prompt_token_ids")
             if c.get("finish_reason"):
                 slot["stop_reason"] = c.get("stop_reason")
             lp = c.get("logprobs")

@@ -201,16 +201,21 @@ def test_kv_params_of_the_prefilled_endpoint_reach_decode_as_they_are(ups: Upstr
 
 
 def test_a_clients_kv_params_in_its_chat_request_never_reach_decode(ups: Upstreams) -> None:
-    """The decode leg's parser context is the client's request: its kv_transfer_params (top level
-    or in vllm_xargs) are taken out, the rest stays as the client sent it."""
+    """A client's kv_transfer_params at the top level are refused (``plan/options``: only the
+    connector decides them); inside vllm_xargs they are taken out of the decode leg's parser
+    context, the rest stays as the client sent it."""
     inline = {"output_modes": ["derender"], "streaming_output_modes": ["derender"],
               "derender_context_forms": ["chat_request"]}
     hostile = {"remote_host": "10.66.66.66", "remote_port": 22, "do_remote_prefill": True}
-    body = {**CHAT, "kv_transfer_params": hostile, "vllm_xargs": {"kv_transfer_params": hostile, "keep": 1}}
+    nested = {**CHAT, "vllm_xargs": {"kv_transfer_params": hostile, "keep": 1}}
     with run_sidecar(fake.config(ups, decode={"capabilities": inline})) as sidecar:
         for stream in (False, True):
             ups.decode.calls.clear()
-            resp = post(sidecar.url, "/v1/chat/completions", {**body, "stream": stream})
+            ups.render.calls.clear()
+            resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "kv_transfer_params": hostile, "stream": stream})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params", resp.text
+            assert not ups.decode.posts() and not ups.render.posts()
+            resp = post(sidecar.url, "/v1/chat/completions", {**nested, "stream": stream})
             assert resp.status_code == 200, resp.text
             (leg,) = ups.decode.posts("/inference/v1/generate")
             assert leg.body["output_mode"] == "derender" and leg.body["kv_transfer_params"] is None

@@ -164,15 +164,19 @@ def test_decode_body(mode, context, expected_context) -> None:
         assert body.endswith(b',"chat_request":' + client + b"}")  # the client's bytes, not re-serialised
 
 
-@pytest.mark.parametrize("mode, stop, detokenize", [
-    ("tokens", None, False), ("tokens", [], False),  # the derender tier makes the text
-    ("tokens", ["\n\n"], None),  # the engine's stop strings need its detokenizer
-    ("text", None, None), ("derender", None, None),
+@pytest.mark.parametrize("mode, stop, detokenize, prompt_logprobs", [
+    ("tokens", None, False, None), ("tokens", [], False, None),  # the derender tier makes the text
+    ("tokens", ["\n\n"], None, None),  # the engine's stop strings need its detokenizer
+    ("tokens", None, None, 0),  # prompt logprobs' decoded_token is the engine detokenizer's
+    ("text", None, None, None), ("derender", None, None, None),
 ])
-def test_a_tokens_decode_leg_is_not_detokenized_unless_stop_strings_need_it(mode, stop, detokenize) -> None:
+def test_a_tokens_decode_leg_is_not_detokenized_unless_stop_strings_need_it(mode, stop, detokenize,
+                                                                            prompt_logprobs) -> None:
     rendered = gen()
     if stop is not None:
         rendered["sampling_params"] = {**rendered["sampling_params"], "stop": stop}
+    if prompt_logprobs is not None:
+        rendered["sampling_params"] = {**rendered["sampling_params"], "prompt_logprobs": prompt_logprobs}
     body = json.loads(legs.decode_body(rendered, None, mode, None, None))
     assert body["sampling_params"].get("detokenize") == detokenize
     assert "detokenize" not in rendered["sampling_params"]  # render's answer is left as it was
@@ -242,13 +246,25 @@ def test_derender_context_leaves_out_what_derender_never_reads() -> None:
                                 {"role": "assistant", "tool_calls": [call], "content": ""},
                                 {"role": "tool", "tool_call_id": "c1", "content": ""}]
     assert b"question" not in legs.parser_context(raw, "chat") and b"long system" not in legs.parser_context(raw, "chat")
-    # echo repeats the last message: the text stays
-    echo = json.loads(legs.parser_context(json.dumps({"messages": messages, "echo": True}).encode(), "chat"))
-    assert echo["messages"] == messages
+    # continue_final_message repeats the last message: the text stays
+    cont = json.loads(legs.parser_context(json.dumps({"messages": messages, "continue_final_message": True}).encode(),
+                                          "chat"))
+    assert cont["messages"] == messages
     completion = json.dumps({"model": "m", "prompt": "a long prompt", "logprobs": 2}).encode()
     assert json.loads(legs.parser_context(completion, "completions")) == {"model": "m", "prompt": "-", "logprobs": 2}
+    # the sidecar echoes the prompt itself (derender.echo): neither the text nor echo goes along
     echoed = json.dumps({"prompt": "a long prompt", "echo": True}).encode()
-    assert json.loads(legs.parser_context(echoed, "completions"))["prompt"] == "a long prompt"
+    assert json.loads(legs.parser_context(echoed, "completions")) == {"prompt": "-"}
+
+
+def test_the_prompt_logprobs_leg_asks_for_one_detokenized_token_without_kv() -> None:
+    rendered = gen(sampling={"max_tokens": 50, "n": 2, "logprobs": 3, "prompt_logprobs": 3, "stop": ["x"],
+                             "extra_args": {"kv_transfer_params": {"remote_host": "evil"}}})
+    leg = legs.prompt_logprobs_leg({**rendered, "stream": True, "kv_transfer_params": {"remote_host": "evil"}})
+    sp = leg["sampling_params"]
+    assert (sp["max_tokens"], sp["n"], sp["detokenize"], sp["prompt_logprobs"]) == (1, 1, True, 3)
+    assert "logprobs" not in sp and "stop" not in sp and "extra_args" not in sp
+    assert leg["stream"] is False and leg["output_mode"] == "tokens" and leg["kv_transfer_params"] is None
 
 @pytest.mark.parametrize("mode, stream, client, interval, want", [
     ("tokens", True, None, 4, 4), ("tokens", True, 8, 4, 8),  # a client's own interval is kept when larger

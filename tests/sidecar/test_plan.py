@@ -114,7 +114,8 @@ def test_prefill_route(remote, prompt, threshold, expected) -> None:
     ("chat", {"messages": [], "stream": "yes"}, 400),
     ("chat", {"messages": [], "n": 0}, 400),
     ("chat", {"messages": [], "n": True}, 400),
-    ("completions", {"prompt": "x", "echo": True}, 400),
+    ("chat", {"messages": [], "echo": True}, 400),
+    ("chat", {"messages": [], "use_beam_search": True}, 400),
 ])
 def test_openai_request_checks(api, body, status) -> None:
     with pytest.raises(SidecarError) as err:
@@ -125,6 +126,7 @@ def test_openai_request_checks(api, body, status) -> None:
 def test_openai_request_ok() -> None:
     check_openai_request("chat", {"messages": [], "n": 2, "stream": None})
     check_openai_request("completions", {"prompt": "x", "echo": False})
+    check_openai_request("completions", {"prompt": "x", "echo": True})
 
 
 @pytest.mark.parametrize("body", [

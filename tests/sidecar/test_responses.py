@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disagg_sidecar.derender import shapes
-from disagg_sidecar.derender.fixes import chat_finish_reason, generate_for_derender, tool_call_id
+from disagg_sidecar.derender.fixes import chat_finish_reason, chat_tokens_as_ids, generate_for_derender, tool_call_id
 from disagg_sidecar.derender.usage import add_usage, cached_tokens, fix_usage, total_usage
 
 SHAPE = shapes.Shape(id="chatcmpl-r1", created=123, model="m", prompt_tokens=10)
@@ -155,4 +155,22 @@ def test_completion_shapes_reindex_prompts() -> None:
     assert shapes.completion_chunk({"choices": [], "usage": {}}, shape) is None
     choices = shapes.completion_choices({"choices": [{"index": 0, "text": "t", "finish_reason": "stop"}]},
                                            shape, [1, 2])
-    assert choices[0]["index"] == 2 and choices[0]["prompt_token_ids"] is None
+    assert choices[0]["index"] == 2 and choices[0]["prompt_token_ids"] is None and choices[0]["prompt_logprobs"] is None
+    plp = [None, {"7": {"logprob": -1.0, "rank": 1, "decoded_token": "a"}}]
+    choices = shapes.completion_choices({"choices": [{"index": 0, "text": "t"}, {"index": 1, "text": "u"}]},
+                                        shape, [1, 2], plp)
+    assert [c["prompt_logprobs"] for c in choices] == [plp, plp]  # every choice carries its prompt's
+
+
+def test_chat_tokens_as_ids_writes_coupled_placeholders() -> None:
+    """The sampled token keeps the bytes of its text (vLLM's ``_create_chat_logprobs``); a candidate
+    gets the placeholder's own bytes (``_get_top_logprobs``)."""
+    resolved = {"content": [{"token": "é", "logprob": -1.0, "bytes": [195, 169], "top_logprobs": [
+        {"token": "é", "logprob": -1.0, "bytes": [195, 169]}, {"token": "x", "logprob": -2.0, "bytes": [120]}]}]}
+    entries = [{"token_id": 12, "logprob": -1.0, "top_logprobs": [{"token_id": 12}, {"token_id": 7}]}]
+    out = chat_tokens_as_ids(resolved, entries)
+    (entry,) = out["content"]
+    assert (entry["token"], entry["bytes"], entry["logprob"]) == ("token_id:12", [195, 169], -1.0)
+    assert entry["top_logprobs"] == [{"token": "token_id:12", "logprob": -1.0, "bytes": list(b"token_id:12")},
+                                     {"token": "token_id:7", "logprob": -2.0, "bytes": list(b"token_id:7")}]
+    assert chat_tokens_as_ids(None, entries) is None and chat_tokens_as_ids(resolved, None) == resolved

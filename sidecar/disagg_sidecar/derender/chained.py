@@ -33,7 +33,12 @@ from disagg_sidecar.derender import shapes
 from disagg_sidecar import sse
 from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.derender.fixes import completion_candidates, generate_for_derender, trim_top_logprobs
+from disagg_sidecar.derender.fixes import (
+    chat_tokens_as_ids,
+    completion_candidates,
+    generate_for_derender,
+    trim_top_logprobs,
+)
 
 # (tier, path, body, metrics kind) -> the tier's JSON answer; raises the sidecar's errors.
 TierCall = Callable[[str, str, bytes, str], Awaitable[Any]]
@@ -53,6 +58,7 @@ class Options:
     hide_metadata: bool = False  # include_reasoning false: coupled shows no logprobs
     parallel_tool_calls: bool = True
     return_token_ids: bool = False
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as ``token_id:N``
     completion_logprobs: int | None = None  # a completions client's `logprobs` (k)
 
     @classmethod
@@ -63,6 +69,7 @@ class Options:
                    hide_metadata=body.get("include_reasoning") is False,
                    parallel_tool_calls=body.get("parallel_tool_calls") is not False,
                    return_token_ids=bool(body.get("return_token_ids")),
+                   tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
                    completion_logprobs=logprobs if type(logprobs) is int else None)
 
     @property
@@ -181,9 +188,12 @@ async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Option
     resp = await tier("derender", leg.path, leg.batch(sse.dumps(ready)), "batch")
     result = shapes.chat_from_derender(resp, shape, out)
     result["prompt_token_ids"] = opts.prompt_token_ids if shape.return_token_ids else None
+    entries = {c.get("index", 0): ((c.get("logprobs") or {}).get("content")) for c in ready["choices"]}
     for choice in result["choices"]:
         # include_reasoning false: coupled shows no per-token data that could reveal the reasoning
         choice["logprobs"] = None if opts.hide_metadata else trim_top_logprobs(choice.get("logprobs"), opts.top_logprobs)
+        if opts.tokens_as_ids:
+            choice["logprobs"] = chat_tokens_as_ids(choice["logprobs"], entries.get(choice["index"]))
         calls = choice["message"].get("tool_calls")
         if calls and not opts.parallel_tool_calls:
             choice["message"]["tool_calls"] = calls[:1]
@@ -247,6 +257,8 @@ class ChatStream:
                 c["logprobs"] = trim_top_logprobs(c["logprobs"], self.opts.top_logprobs)
             elif resolved is not None:
                 c["logprobs"] = resolved
+            if self.opts.tokens_as_ids:
+                c["logprobs"] = chat_tokens_as_ids(c.get("logprobs"), entries)
         if self.opts.return_token_ids and state is None and choices:
             out["prompt_token_ids"] = self.opts.prompt_token_ids  # coupled: with a choice's first chunk
         return out, derendered["stream_state"]

@@ -126,3 +126,25 @@ def completion_candidates(gen: Mapping[str, Any], k: int | None) -> dict[str, An
             c = {**c, "logprobs": {**lp, "content": [cut(e) for e in lp["content"]]}}
         choices.append(c)
     return {**gen, "choices": choices}
+
+
+# -- return_tokens_as_token_ids ------------------------------------------------------------------
+
+def token_id_placeholder(token_id: int) -> str:
+    """How vLLM writes a token with ``return_tokens_as_token_ids`` (``format_token_id_placeholder``)."""
+    return f"token_id:{token_id}"
+
+
+def chat_tokens_as_ids(logprobs: Any, entries: list[Mapping[str, Any]] | None) -> Any:
+    """Chat logprobs resolved by the derender tier, written as coupled writes them with
+    ``return_tokens_as_token_ids``: each token as ``token_id:N`` from the generate ``entries`` they
+    were resolved from (same order); the sampled token keeps the bytes of its text, a candidate
+    gets the placeholder's bytes (vLLM's ``_create_chat_logprobs`` / ``_get_top_logprobs``)."""
+    if not isinstance(logprobs, Mapping) or not logprobs.get("content") or not entries:
+        return logprobs
+    content = []
+    for entry, source in zip(logprobs["content"], entries):
+        tops = [{**top, "token": (t := token_id_placeholder(cand["token_id"])), "bytes": list(t.encode())}
+                for top, cand in zip(entry.get("top_logprobs") or [], source.get("top_logprobs") or [])]
+        content.append({**entry, "token": token_id_placeholder(source["token_id"]), "top_logprobs": tops})
+    return {**logprobs, "content": content}

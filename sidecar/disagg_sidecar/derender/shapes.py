@@ -197,7 +197,8 @@ def completion_response(choices: list[dict[str, Any]], usage: Mapping[str, Any] 
     }
 
 
-def _completion_choice(c: Mapping[str, Any], shape: Shape, prompt_token_ids: list[int] | None) -> dict[str, Any]:
+def _completion_choice(c: Mapping[str, Any], shape: Shape, prompt_token_ids: list[int] | None,
+                       prompt_logprobs: Any = None) -> dict[str, Any]:
     return {
         "index": c.get("index", 0) + shape.index_offset,
         "text": c.get("text") or "",
@@ -205,14 +206,16 @@ def _completion_choice(c: Mapping[str, Any], shape: Shape, prompt_token_ids: lis
         "finish_reason": c.get("finish_reason"),
         "stop_reason": c.get("stop_reason"),
         "token_ids": c.get("token_ids") if shape.return_token_ids else None,
-        "prompt_logprobs": c.get("prompt_logprobs"),
+        "prompt_logprobs": prompt_logprobs,
         "prompt_token_ids": prompt_token_ids if shape.return_token_ids else None,
     }
 
 
-def completion_choices(resp: Mapping[str, Any], shape: Shape, prompt_token_ids: list[int]) -> list[dict[str, Any]]:
-    """Choices of one prompt from a ``text`` generate answer or a ``/v1/completions/derender`` answer."""
-    return [_completion_choice(c, shape, prompt_token_ids) for c in resp.get("choices", [])]
+def completion_choices(resp: Mapping[str, Any], shape: Shape, prompt_token_ids: list[int],
+                       prompt_logprobs: Any = None) -> list[dict[str, Any]]:
+    """Choices of one prompt from a ``text`` generate answer or a ``/v1/completions/derender`` answer;
+    each carries the prompt's logprobs (the decode answer's), as coupled's do."""
+    return [_completion_choice(c, shape, prompt_token_ids, prompt_logprobs) for c in resp.get("choices", [])]
 
 
 def completion_chunk(chunk: Mapping[str, Any], shape: Shape) -> dict[str, Any] | None:

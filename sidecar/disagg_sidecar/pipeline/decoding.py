@@ -84,6 +84,17 @@ class Decoder:
         self.metrics.leg_errors.labels("decode", "status").inc()
         return leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
 
+    async def prompt_logprobs(self, gen: Mapping[str, Any], ctx: Context) -> Any:
+        """The prompt's logprobs from the decode engine, for a streamed request (``legs.prompt_logprobs_leg``)."""
+        try:
+            async with self.up.decode(sse.dumps(legs.prompt_logprobs_leg(gen)), ctx.headers, ctx.inflight) as resp:
+                status, raw = resp.status, await self._read(resp)
+        except LegError as exc:
+            raise leg_failure(exc) from exc
+        if status != 200:
+            raise self.error(status, raw)
+        return self._checked(raw, 1).get("prompt_logprobs")
+
     async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
                     ctx: Context, chat_raw: bytes | None) -> Any:
         """The decode answer, parsed and checked (``answers``: a 502 otherwise)."""

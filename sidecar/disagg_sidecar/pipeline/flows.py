@@ -25,8 +25,9 @@ from aiohttp import web
 
 from disagg_sidecar.derender import anthropic
 from disagg_sidecar.derender import chained
+from disagg_sidecar.derender import echo as echoes
 from disagg_sidecar.derender import fixes
-from disagg_sidecar.plan import legs
+from disagg_sidecar.plan import answers, legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar.plan import requestlimits
 from disagg_sidecar.derender import shapes
@@ -38,6 +39,7 @@ from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.pipeline.decoding import Decoder
 from disagg_sidecar.pipeline.poollegs import PoolLegs, Prefilled
 from disagg_sidecar.derender.usage import total_usage
+from disagg_sidecar.errors import SidecarError
 
 
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
@@ -197,13 +199,29 @@ class Flows:
         def derender(gen: Mapping[str, Any]) -> legs.DerenderLeg:
             return legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS])
 
+        texts = echoes.prompt_texts(body.get("prompt"), len(gens))
+
+        async def echo(i: int, gen: Mapping[str, Any], prompt_logprobs: Any) -> echoes.Echo:
+            ids = gen[wire.TOKEN_IDS]
+            if type(body.get("logprobs")) is int and not prompt_logprobs:
+                raise SidecarError(502, "The decode engine answered without the prompt's logprobs",
+                                   type_="BadGatewayError")
+            text = texts[i] if i < len(texts) and texts[i] is not None else await self._detokenize(ids, body, ctx)
+            first = await self._detokenize(ids[:1], body, ctx) if type(body.get("logprobs")) is int else None
+            return echoes.make(body, text, ids, prompt_logprobs, first)
+
         async def one(i: int, gen: Mapping[str, Any]) -> tuple[list[dict[str, Any]], Any]:
             prefilled = await self.pools.prefill(gen, ctx)
             out = await self.decoder.batch(gen, prefilled.kv, decode_plan, ctx, None)
+            prompt_logprobs = out.get("prompt_logprobs")  # the decode engine's, for every choice
             if decisions.answered_mode(out) != "text":
                 out = await chained.completion_batch(out, derender(gen), chained.Options.of(body, gen), tier)
             s = shape(i, prefilled)
-            return shapes.completion_choices(out, s, gen[wire.TOKEN_IDS]), s.usage(out.get("usage"))
+            choices = shapes.completion_choices(out, s, gen[wire.TOKEN_IDS], prompt_logprobs)
+            if body.get("echo"):
+                e = await echo(i, gen, prompt_logprobs)
+                choices = [echoes.choice(c, e) for c in choices]
+            return choices, s.usage(out.get("usage"))
 
         if not body.get("stream"):
             parts = await _gather(*(one(i, g) for i, g in enumerate(gens)))
@@ -214,12 +232,19 @@ class Flows:
         # Prefill every prompt before the first byte, so the response headers can say how.
         prefilled = await _gather(*(self.pools.prefill(g, ctx) for g in gens))
         prompt_shapes = [shape(i, p) for i, p in enumerate(prefilled)]
+        firsts = [echoes.FirstChunks(list(g[wire.TOKEN_IDS]), return_token_ids=bool(body.get("return_token_ids")))
+                  for g in gens]
+        if body.get("echo"):  # a generate stream carries no prompt logprobs: a batch leg asks for them
+            asked = type(body.get("logprobs")) is int
+            plps = await _gather(*(self.decoder.prompt_logprobs(g, ctx) if asked else _none() for g in gens))
+            for first, e in zip(firsts, await _gather(*(echo(i, g, plps[i]) for i, g in enumerate(gens)))):
+                first.echo = e
         writer = SSEWriter(request, ctx.response_headers())
 
         async def stream_one(i: int, gen: Mapping[str, Any]) -> Any:
             stream_call = chained.CompletionStream(derender(gen), chained.Options.of(body, gen), tier)
             usage = await self.decoder.stream(gen, prefilled[i].kv, decode_plan, ctx, stream_call, None, writer,
-                                              lambda chunk: shapes.completion_chunk(chunk, prompt_shapes[i]))
+                                              lambda chunk: firsts[i](shapes.completion_chunk(chunk, prompt_shapes[i])))
             return prompt_shapes[i].usage(usage) if usage is not None else None
 
         async def run() -> None:
@@ -228,6 +253,11 @@ class Flows:
                 await writer.send(shapes.usage_chunk("text_completion", prompt_shapes[0], total))
 
         return await run_stream(writer, run)
+
+    async def _detokenize(self, ids: list[int], body: Mapping[str, Any], ctx: Context) -> str:
+        """The render tier's text of ``ids``: vLLM's renderer decodes a token prompt so (``echo``)."""
+        request = {"tokens": ids, **({"model": body["model"]} if isinstance(body.get("model"), str) else {})}
+        return await self.pools.call("render", wire.DETOKENIZE, _dumps(request).encode(), ctx, answers.detokenized)
 
     # -- GenerateRequest clients -------------------------------------------------------------------
 
@@ -239,6 +269,10 @@ class Flows:
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+async def _none() -> None:
+    return None
 
 
 async def _gather(*aws: Awaitable[Any]) -> list[Any]:

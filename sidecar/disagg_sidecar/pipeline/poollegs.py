@@ -18,6 +18,7 @@ from disagg_sidecar.derender import chained
 from disagg_sidecar.plan import answers
 from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
+from disagg_sidecar.plan import options
 from disagg_sidecar import sse
 from disagg_sidecar import wire
 from disagg_sidecar.config import SidecarConfig
@@ -88,6 +89,8 @@ class PoolLegs:
         """Run the prefill leg: the decode leg's ``kv_transfer_params`` and the prefill's cache hits."""
         route = decisions.prefill_route(self.config.prefill.mode == "remote", len(gen[wire.TOKEN_IDS]),
                                    self.config.prefill.min_prompt_tokens)
+        if route == "remote" and not options.decode_reads_transferred_kv(gen.get(wire.SAMPLING_PARAMS)):
+            route = "skipped"  # decode computes the prompt itself (prompt logprobs)
         if route != "remote" or self.connector is None:
             self._count(ctx, route)
             return Prefilled()

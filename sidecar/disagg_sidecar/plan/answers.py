@@ -119,6 +119,14 @@ def generated(answer: Any, n: int, what: str = "the generate answer") -> dict[st
     return out
 
 
+def detokenized(answer: Any) -> str:
+    """The render tier's ``/detokenize`` answer: the text of the token ids it was sent."""
+    prompt = _object(answer, "the detokenize answer").get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidAnswer("the detokenize answer has no prompt text")
+    return prompt
+
+
 def derendered(answer: Any, n: int) -> dict[str, Any]:
     """A batch derender answer (chat or completions) for ``n`` choices."""
     out = _object(answer, "the derender answer")

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import bad_request
+from disagg_sidecar.plan import options
 from disagg_sidecar.plan.answers import MAX_TOKEN_ID, is_token_ids
 
 Api = Literal["chat", "completions", "generate", "messages", "count_tokens"]
@@ -105,9 +106,7 @@ def check_openai_request(api: Api, body: Any) -> None:
         raise bad_request("n must be a positive integer", "n")
     if api == "completions" and not _prompt_ids_in_range(body.get("prompt")):
         raise bad_request(f"prompt token ids must be integers from 0 to {MAX_TOKEN_ID}", "prompt")
-    if api == "completions" and body.get("echo"):
-        raise bad_request("echo is not supported on the disaggregated path (the engines never see the prompt text)",
-                          "echo")
+    options.check(api, body)
 
 
 def check_messages_request(body: Any) -> None:

@@ -56,6 +56,19 @@ def prefill_leg(gen: Mapping[str, Any], connector: KVConnector, *, tokens_only: 
     return body
 
 
+def prompt_logprobs_leg(gen: Mapping[str, Any]) -> dict[str, Any]:
+    """A batch leg to the decode engine for a streamed request's prompt logprobs (a generate stream
+    carries none; completions ``echo`` with ``logprobs`` shows them): one token, detokenized, so each
+    entry has the engine's ``decoded_token``; no KV params (vLLM reads none for prompt logprobs)."""
+    body = {k: v for k, v in gen.items() if k not in _PREFILL_DROP}
+    sp = _sampling_without_client_kv(gen.get(wire.SAMPLING_PARAMS))
+    for key in ("min_tokens", "logprobs", "stop", "bad_words", "structured_outputs"):
+        sp.pop(key, None)
+    sp.update(max_tokens=1, n=1, detokenize=True)
+    body.update({wire.SAMPLING_PARAMS: sp, "stream": False, wire.OUTPUT_MODE: "tokens", wire.KV_TRANSFER_PARAMS: None})
+    return body
+
+
 def decode_leg(
     gen: Mapping[str, Any],
     kv_transfer_params: Mapping[str, Any] | None,
@@ -97,8 +110,8 @@ def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | 
     slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
     leg = decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim)
     sampling = leg[wire.SAMPLING_PARAMS]
-    if mode == "tokens" and not sampling.get("stop"):
-        sampling["detokenize"] = False
+    if mode == "tokens" and not sampling.get("stop") and sampling.get("prompt_logprobs") is None:
+        sampling["detokenize"] = False  # prompt logprobs need it too: their decoded_token is the detokenizer's
     if mode == "tokens" and leg.get("stream") and stream_interval > 1:
         asked = sampling.get("stream_interval")
         sampling["stream_interval"] = max(asked if type(asked) is int else 1, stream_interval)
@@ -162,15 +175,16 @@ def parser_context(client_body: bytes, chain: str) -> bytes:
       they matched (``chained``); vLLM 0.33's streaming derender rejects a request that has them;
     - the conversation's text: the parser reads tools, tool choice, reasoning and template
       settings, and of the messages only their roles and earlier tool calls (for tool-call ids),
-      so each message keeps those with empty content (all of it with ``echo`` or
-      ``continue_final_message``, where the answer repeats the last message);
-    - a completions prompt, unless ``echo`` puts it into the answer.
+      so each message keeps those with empty content (all of it with ``continue_final_message``,
+      where the answer repeats the last message);
+    - a completions prompt, and ``echo``: the sidecar echoes the prompt itself (``derender.echo``).
     """
     body = json.loads(client_body)
     if not isinstance(body, dict):
         return client_body
     body.pop("stop", None)
-    keep_text = body.get("echo") or body.get("continue_final_message")
+    body.pop("echo", None)
+    keep_text = body.get("continue_final_message")
     if chain == "chat" and isinstance(body.get("messages"), list) and not keep_text:
         body["messages"] = [{**{k: m[k] for k in _MESSAGE_SKELETON if k in m}, "content": ""}
                             if isinstance(m, dict) else m for m in body["messages"]]

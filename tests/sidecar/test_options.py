@@ -1,0 +1,90 @@
+"""Every request option coupled vLLM accepts is carried to the leg that honours it or refused
+with a 400 naming it (``plan/options.py``), checked against vLLM's own request models on every
+lane: a field a new vLLM release adds fails here until the sidecar places it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from disagg_engine.testing.lanes import LANES, lane_env
+from disagg_sidecar.errors import SidecarError
+from disagg_sidecar.plan import options
+from disagg_sidecar.plan.decisions import check_openai_request
+
+# vLLM's request models, named by the API the sidecar serves them on; the fields a client may
+# send are their pydantic fields (by name and by alias).
+MODELS = {"chat": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+          "completions": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest")}
+_LIST_FIELDS = """
+import importlib, json, sys
+models = json.loads(sys.argv[1])
+out = {}
+for api, (module, name) in models.items():
+    model = getattr(importlib.import_module(module), name)
+    out[api] = sorted({n for f_name, f in model.model_fields.items() for n in (f_name, f.alias) if n})
+print("FIELDS " + json.dumps(out))
+"""
+
+
+def vllm_request_fields(lane: str) -> dict[str, list[str]]:
+    """The request fields of ``lane``'s vLLM, listed in a process that runs that lane's vLLM."""
+    env = {**os.environ, **lane_env(lane)}
+    out = subprocess.run([sys.executable, "-c", _LIST_FIELDS, json.dumps(MODELS)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FIELDS ")]
+    return json.loads(line.removeprefix("FIELDS "))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("lane", LANES)
+def test_every_vllm_request_field_is_carried_or_refused(lane: str) -> None:
+    fields = vllm_request_fields(lane)
+    assert set(fields) == set(MODELS)
+    for api, names in fields.items():
+        carried, refused = set(options.CARRIED[api]), set(options.REFUSED[api])
+        assert not carried & refused, api
+        unplaced = sorted(set(names) - carried - refused)
+        assert not unplaced, f"vLLM {lane} {api} fields neither carried nor refused: {unplaced}"
+        # the core fields are there at all (the models were found and read)
+        assert {"model", "stream", "n"} <= set(names)
+
+
+def _refused_values(api: str) -> list[tuple[str, object]]:
+    """Per refused field a value that asks for something (not one of its ``off`` values)."""
+    cases = []
+    for name, off in options.REFUSED[api].items():
+        value = next(v for v in (True, 1, "none", {"a": 1}, [1]) if not any(v == o and type(v) is type(o) for o in off))
+        cases.append((name, value))
+    return cases
+
+
+@pytest.mark.parametrize("api, name, value", [(api, n, v) for api in ("chat", "completions")
+                                              for n, v in _refused_values(api)])
+def test_a_refused_field_that_asks_for_something_is_a_400_naming_it(api: str, name: str, value: object) -> None:
+    body = {"model": "m", "messages": []} if api == "chat" else {"model": "m", "prompt": "x"}
+    with pytest.raises(SidecarError) as err:
+        check_openai_request(api, {**body, name: value})
+    error = json.loads(err.value.body)["error"]
+    assert err.value.status == 400 and error["param"] == name and name in error["message"]
+    assert error["type"] == "BadRequestError"
+    for off in options.REFUSED[api][name]:  # the values that ask for nothing pass
+        check_openai_request(api, {**body, name: off})
+
+
+@pytest.mark.parametrize("sampling, reads", [
+    ({"prompt_logprobs": 2, "skip_reading_prefix_cache": True}, False),  # render's answer for prompt_logprobs
+    ({"skip_reading_prefix_cache": False}, True), ({}, True), (None, True),
+])
+def test_a_remote_prefill_is_sent_only_where_decode_reads_its_kv(sampling, reads) -> None:
+    assert options.decode_reads_transferred_kv(sampling) is reads
+
+
+def test_carried_fields_pass_the_check() -> None:
+    check_openai_request("chat", {"messages": [], "tools": [], "logprobs": True, "top_logprobs": 2, "seed": 1})
+    check_openai_request("completions", {"prompt": "x", "suffix": None, "logprobs": 2, "stop": ["a"]})
