@@ -8,6 +8,7 @@ merge patches of the DisaggregatedModel status. Raw JSON in and out: no client m
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ FIELD_MANAGER = names.OPERATOR
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 MERGE = "application/merge-patch+json"
 
+SERVES_TTL = 10.0  # seconds a discovery answer is reused
 NAMESPACE_TERMINATING = "NamespaceTerminating"  # the cause of a refused creation in a namespace being deleted
 
 
@@ -56,12 +58,14 @@ def _error(exc: ApiException, what: str) -> ApplyError:
 
 
 class KubeApi:
-    def __init__(self, api_client: client.ApiClient):
+    def __init__(self, api_client: client.ApiClient, withheld: frozenset[Kind] = frozenset()):
         self._client = api_client
         self._apis: dict[str, Any] = {}
+        self._withheld = withheld  # kinds this operator must not write (reported as not served)
+        self._served: dict[Kind, tuple[float, bool]] = {}  # discovery answers, reused for SERVES_TTL
 
     @classmethod
-    def from_environment(cls, connections: int = 32) -> KubeApi:
+    def from_environment(cls, connections: int = 32, withheld: frozenset[Kind] = frozenset()) -> KubeApi:
         """In-cluster service account, else the kubeconfig (KUBECONFIG or ~/.kube/config).
 
         ``connections`` should match the number of threads calling the API: a smaller pool makes
@@ -73,7 +77,7 @@ class KubeApi:
             config.load_kube_config()
         configuration = client.Configuration.get_default_copy()
         configuration.connection_pool_maxsize = connections
-        return cls(client.ApiClient(configuration))
+        return cls(client.ApiClient(configuration), withheld)
 
     def _api(self, name: str) -> Any:
         """The client's ``name`` API (``CoreV1Api``...), made once: ``kubernetes.client`` resolves its
@@ -130,9 +134,20 @@ class KubeApi:
 
     def serves(self, kind: Kind) -> bool:
         """Whether the API server serves ``kind`` (a custom resource's CRD is installed): API discovery,
-        which every authenticated client may read."""
+        which every authenticated client may read. An answer is reused for ``SERVES_TTL`` seconds: every
+        model converging at once asks about the same kinds (PodMonitors: every model, by default)."""
+        if kind in self._withheld:
+            return False
         if not kind.custom:
             return True
+        cached = self._served.get(kind)
+        if cached is not None and time.monotonic() - cached[0] < SERVES_TTL:
+            return cached[1]
+        served = self._discover(kind)
+        self._served[kind] = (time.monotonic(), served)
+        return served
+
+    def _discover(self, kind: Kind) -> bool:
         group, _, version = kind.api_version.rpartition("/")
         try:
             response = self._api("CustomObjectsApi").get_api_resources(group, version, _preload_content=False)

@@ -115,6 +115,11 @@ def operator_main(argv: Sequence[str]) -> int:
     parser.add_argument("--crd-retry-seconds", type=float, default=CRD_RETRY_SECONDS, metavar="S",
                         help="how often a model whose spec needs a CRD the cluster lacks (e.g. InferencePool) "
                         "is converged again, so installing the CRD later takes effect (default: %(default)s)")
+    parser.add_argument("--no-pod-monitors", action="store_true",
+                        help="write no PodMonitors (the operator has no RBAC on them): models asking for them "
+                        "(spec.monitoring.podMonitors: true) say so in their status")
+    parser.add_argument("--no-planner", action="store_true",
+                        help="do not run the planner of spec.autoscaling (the operator may not scale Deployments)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(list(argv))
     if args.priority is not None and args.peering is None:
@@ -124,8 +129,12 @@ def operator_main(argv: Sequence[str]) -> int:
 
     import kopf
 
-    from disagg_operator import handlers  # noqa: F401  (registers the handlers)
+    from disagg_operator import handlers
+    from disagg_operator.kinds import POD_MONITOR, WATCHED_KINDS
     from disagg_operator.metrics import serve
+
+    withheld = frozenset({POD_MONITOR} if args.no_pod_monitors else ())
+    handlers.register(tuple(k for k in WATCHED_KINDS if k not in withheld))
 
     kopf.configure(verbose=args.verbose)
     if args.metrics_port:
@@ -143,6 +152,6 @@ def operator_main(argv: Sequence[str]) -> int:
         peering_name=args.peering,
         priority=peering_priority(args.peering, args.priority),
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(crd_retry_seconds=args.crd_retry_seconds),
+        memo=kopf.Memo(crd_retry_seconds=args.crd_retry_seconds, withheld=withheld),
     )
     return 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from disagg_operator import drift, names
-from disagg_operator.kinds import BY_TYPE, Kind
+from disagg_operator.kinds import BY_TYPE, POD_MONITOR, Kind
 from disagg_operator.objects import build_objects
 from disagg_operator.objects.secrets import with_new_key
 from disagg_operator.plan import Plan, build_plan
@@ -40,7 +40,8 @@ class Outcome:
     pruned: list[str] = field(default_factory=list)
     invalid: str | None = None  # the spec cannot be served (nothing was applied) ...
     invalid_status: dict[str, Any] | None = None  # ... and the status that says so
-    unavailable: list[str] = field(default_factory=list)  # CRDs the spec needs that the cluster lacks
+    unavailable: list[str] = field(default_factory=list)  # CRDs of desired kinds that the cluster lacks
+    awaited: list[str] = field(default_factory=list)  # ... of which the spec requires (retried until installed)
 
 
 def _label(obj: Mapping[str, Any]) -> str:
@@ -87,7 +88,7 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
     """Make all children of ``doc`` (a DisaggregatedModel as stored) match its spec."""
     meta = doc["metadata"]
     try:
-        _, desired = _desired(doc)
+        plan, desired = _desired(doc)
     except SpecError as exc:
         message = "; ".join(exc.problems)
         generation = int(meta.get("generation") or 0)
@@ -99,6 +100,9 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
     optional = {BY_TYPE[(o["apiVersion"], o["kind"])] for o in desired} - {k for k in BY_TYPE.values() if not k.optional}
     missing = {kind for kind in optional if not api.serves(kind)}
     outcome.unavailable = sorted(kind.crd for kind in missing)
+    # PodMonitors on "auto" are written where the CRD is served and quietly left out elsewhere.
+    outcome.awaited = sorted(kind.crd for kind in missing
+                             if kind is not POD_MONITOR or plan.spec.monitoring.pod_monitors == "true")
     desired = [o for o in desired if BY_TYPE[(o["apiVersion"], o["kind"])] not in missing]
     for obj in [o for o in desired if BY_TYPE[(o["apiVersion"], o["kind"])].create_only]:
         if api.create_if_missing(with_new_key(obj)):  # a key is drawn each time, kept only on creation

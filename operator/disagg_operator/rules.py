@@ -16,13 +16,13 @@ Conventions that keep the two sides equal:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import engine_args
 from disagg_operator.arg_rules import FlagRule, cel_list
 from disagg_operator.kv import NO_CONNECTOR, connector_choices
+from disagg_operator.rule import Rule
+from disagg_operator.scaling_rules import SCALING_RULES
 from disagg_sidecar.connectors import REGISTRY as KV_CONNECTORS
 
 ROOT = "DisaggregatedModel"
@@ -40,23 +40,6 @@ SOURCE_RE = (
     r"|~?/[^ ]*)$"  # ~/PATH: local mode expands it (a Kubernetes pod has no home of yours)
 )
 VERSION_RE = r"^[0-9]+[.][0-9]+[.][0-9]+([-+.a-z][-+.a-z0-9]*)?$"
-
-
-@dataclass(frozen=True)
-class Rule:
-    id: str
-    target: str
-    cel: str
-    message: str
-    check: Callable[[Any], bool]  # True when valid; gets the target model instance (ROOT: the name)
-    field_path: str | None = None  # where the API server reports the error, relative to the target
-    # A message naming what broke the rule: CEL messageExpression and the same words in Python.
-    # ``message`` stays the fallback (the API server uses it if the expression cannot be evaluated).
-    message_cel: str | None = None
-    explain: Callable[[Any], str] | None = None
-
-    def message_for(self, value: Any) -> str:
-        return self.explain(value) if self.explain is not None else self.message
 
 
 # --- helpers that spell one idea in both languages ---------------------------------------------
@@ -237,6 +220,7 @@ RULES: tuple[Rule, ...] = (
         lambda a: a.target_cpu_utilization_percentage is None or a.target_cpu_utilization_percentage > 0,
         ".targetCPUUtilizationPercentage",
     ),
+    *SCALING_RULES,  # monitoring and the planner (scaling_rules.py)
     # --- router ----------------------------------------------------------------------------------
     _port_rule("router.port", "RouterSpec", "port", "router.port", 1024, " (the sidecar runs as non-root)"),
     Rule(

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints
 
 from disagg_operator.kv import connector_description
+from disagg_operator.scaling_spec import AutoscalingSpec, MonitoringSpec
 from disagg_operator.security_spec import NetworkPolicySpec, SecuritySpec
 from disagg_operator.spec_base import (  # noqa: F401  (re-exported: the API's building blocks)
     MAX_ARG_LENGTH, MAX_ARGS, Arg, Args, KubeObject, ShortString, WireModel,
@@ -265,6 +266,10 @@ class DisaggregatedModelSpec(WireModel):
     router: RouterSpec = Field(default_factory=RouterSpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     security: SecuritySpec = Field(default_factory=SecuritySpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    autoscaling: AutoscalingSpec | None = Field(
+        None, description="Scale prefill and decode on inference signals (the operator's planner, docs/autoscaling.md); "
+        "it then owns both pools' replica counts.")
 
 
 # --- errors ----------------------------------------------------------------------------------
