@@ -20,6 +20,7 @@ from disagg_operator.kinds import BY_TYPE, Kind
 from disagg_operator.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = names.OPERATOR
+PLANNER_MANAGER = f"{names.OPERATOR}-planner"  # replica counts it sets show as this manager's
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 MERGE = "application/merge-patch+json"
 
@@ -156,6 +157,47 @@ class KubeApi:
                 return False
             raise _error(exc, f"discover {kind.api_version}") from None
         return any(r.get("name") == kind.plural for r in json.loads(response.data).get("resources") or [])
+
+    # --- the planner (planner.py) ---------------------------------------------------------------
+
+    def scale(self, namespace: str, deployment: str, replicas: int) -> None:
+        """Set a Deployment's replica count through its scale subresource (what `kubectl scale` does)."""
+        try:
+            self._api("AppsV1Api").patch_namespaced_deployment_scale(
+                deployment, namespace, {"spec": {"replicas": replicas}}, field_manager=PLANNER_MANAGER,
+                _content_type=MERGE, _preload_content=False)
+        except ApiException as exc:
+            raise _error(exc, f"scale Deployment {namespace}/{deployment}") from None
+
+    def service_endpoints(self, namespace: str, service: str) -> list[tuple[str, str]]:
+        """(pod name, address) of the ready endpoints of a Service's EndpointSlices."""
+        try:
+            response = self._api("DiscoveryV1Api").list_namespaced_endpoint_slice(
+                namespace, label_selector=f"kubernetes.io/service-name={service}", _preload_content=False)
+        except ApiException as exc:
+            raise _error(exc, f"list EndpointSlices of {namespace}/{service}") from None
+        out = []
+        for item in json.loads(response.data).get("items") or []:
+            for endpoint in item.get("endpoints") or []:
+                if (endpoint.get("conditions") or {}).get("ready") is False or not endpoint.get("addresses"):
+                    continue
+                pod = (endpoint.get("targetRef") or {}).get("name") or endpoint["addresses"][0]
+                out.append((pod, endpoint["addresses"][0]))
+        return out
+
+    def hpa_targets(self, namespace: str) -> dict[str, str]:
+        """Deployment name → the HorizontalPodAutoscaler scaling it, for the namespace's HPAs."""
+        try:
+            response = self._api("AutoscalingV2Api").list_namespaced_horizontal_pod_autoscaler(
+                namespace, _preload_content=False)
+        except ApiException as exc:
+            raise _error(exc, f"list HorizontalPodAutoscalers in {namespace}") from None
+        out = {}
+        for item in json.loads(response.data).get("items") or []:
+            ref = (item.get("spec") or {}).get("scaleTargetRef") or {}
+            if ref.get("kind") == "Deployment" and ref.get("name"):
+                out[ref["name"]] = item["metadata"]["name"]
+        return out
 
     def model_exists(self, namespace: str, name: str, uid: str) -> bool:
         """Whether this very DisaggregatedModel (same uid) still exists."""

@@ -135,6 +135,8 @@ def operator_main(argv: Sequence[str]) -> int:
 
     withheld = frozenset({POD_MONITOR} if args.no_pod_monitors else ())
     handlers.register(tuple(k for k in WATCHED_KINDS if k not in withheld))
+    if not args.no_planner:
+        from disagg_operator import planner_handlers  # noqa: F401  (registers the planner's timer)
 
     kopf.configure(verbose=args.verbose)
     if args.metrics_port:
