@@ -34,6 +34,7 @@ from disagg_operator.status import status_patch
 
 CHILD_FILTER = {names.MANAGED_BY: names.OPERATOR, names.INSTANCE: kopf.PRESENT}
 RETRY_SECONDS = 10
+ROLLOUT_RETRY_SECONDS = 10  # how soon an older KV revision's prefill Service is looked at again
 WORKERS = 32  # threads for sync handlers, and API connections to match
 
 
@@ -146,6 +147,9 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, models: kopf.
     memo.unavailable[(meta["namespace"], meta["name"])] = tuple(outcome.unavailable)
     memo.status_writer.submit((meta["namespace"], meta["name"]),
                               lambda: _refresh_status(meta["namespace"], meta["name"], memo, models, children))
+    if outcome.retained:  # an older KV revision's prefill Service goes once decode has rolled
+        raise kopf.TemporaryError(f"kept while decode rolls out: {', '.join(outcome.retained)}",
+                                  delay=ROLLOUT_RETRY_SECONDS)
     if outcome.awaited:  # reported in the status; try again in case the CRD gets installed
         raise kopf.TemporaryError(f"CRDs not installed: {', '.join(outcome.awaited)}",
                                   delay=memo.crd_retry_seconds)  # `disagg operator --crd-retry-seconds`

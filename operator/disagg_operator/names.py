@@ -30,6 +30,9 @@ LLM_D_ROLE = "llm-d.ai/role"  # what llm-d's P/D filters select prefill and deco
 CONFIG_HASH = "disagg.dev/config-hash"
 # On every pod: its pool's configuration hash (monitors copy it to the label `revision`; the sidecar pairs by it).
 REVISION = "disagg.dev/revision"
+# On prefill and decode pods: the hash of what decides whether a prefill pod's KV cache fits a decode pod
+# (plan.kv_revision). A decode pod's sidecar sends prefill legs only to prefill pods of its own.
+KV_REVISION = "disagg.dev/kv-revision"
 
 APP = "disagg"
 OPERATOR = "disagg-operator"  # also the server-side-apply field manager
@@ -57,6 +60,11 @@ def client_service(model: str) -> str:
 
 def pool_service(model: str, role: Role) -> str:
     return f"{model}-{role}"
+
+
+def prefill_revision_service(model: str, kv_revision: str) -> str:
+    """The headless Service of the prefill pods of one KV revision (a DNS label: 54 + 3 + 6 characters)."""
+    return f"{model}-kv{kv_revision[:6]}"
 
 
 def config_map(model: str) -> str:

@@ -42,6 +42,8 @@ class Outcome:
     invalid_status: dict[str, Any] | None = None  # ... and the status that says so
     unavailable: list[str] = field(default_factory=list)  # CRDs of desired kinds that the cluster lacks
     awaited: list[str] = field(default_factory=list)  # ... of which the spec requires (retried until installed)
+    # Not pruned yet: the prefill Service of an older KV revision while decode rolls (retried until it is done).
+    retained: list[str] = field(default_factory=list)
 
 
 def _label(obj: Mapping[str, Any]) -> str:
@@ -112,10 +114,29 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
         _, wrote = _apply(api, obj, current.get(drift.key_of(obj)))
         if wrote:
             outcome.applied.append(_label(obj))
+    rolling = decode_rolling(plan, current)
     for obj in drift.to_prune(desired, current, meta["uid"]):
+        if rolling and names.KV_REVISION in (obj["metadata"].get("labels") or {}):
+            outcome.retained.append(_label(obj))  # decode pods of that KV revision may still send to it
+            continue
         api.delete(obj)
         outcome.pruned.append(_label(obj))
     return outcome
+
+
+def decode_rolling(plan: Plan, live: Mapping[drift.Key, Mapping[str, Any]]) -> bool:
+    """Whether decode pods of an older configuration may still run: the live decode Deployment does not
+    yet run the plan's template, its controller has not seen it, or old pods remain."""
+    pool = plan.pool(names.Role.DECODE)
+    deployment = next((obj for key, obj in live.items() if key[1] == "Deployment" and pool is not None
+                       and key[3] == pool.name), None)
+    if pool is None or deployment is None:
+        return False
+    spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
+    template = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
+    return (template.get(names.CONFIG_HASH) != pool.config_hash
+            or int(status.get("observedGeneration") or 0) < int(deployment["metadata"].get("generation") or 0)
+            or int(status.get("replicas") or 0) > int(status.get("updatedReplicas") or 0))
 
 
 def model_status(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]], *, now: str,

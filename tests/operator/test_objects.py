@@ -57,6 +57,7 @@ def test_object_names(plan: Plan) -> None:
         ("NetworkPolicy", "qwen3-8b-render"), ("NetworkPolicy", "qwen3-8b-derender"),
         ("Secret", "qwen3-8b-engine-api-key"),
         ("PodMonitor", "qwen3-8b-engines"), ("PodMonitor", "qwen3-8b-sidecars"),
+        ("Service", f"qwen3-8b-kv{(plan.kv_revision or '')[:6]}"),
     ])
     kinds = [o["kind"] for o in build_objects(plan)]
     assert kinds == sorted(kinds, key=[k.kind for k in MANAGED_KINDS].index)  # apply order

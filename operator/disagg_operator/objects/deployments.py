@@ -217,7 +217,9 @@ def deployment(plan: Plan, pool: PoolPlan, owner: dict[str, Any] | None = None) 
         "strategy": _strategy(plan, pool),
         "template": {
             "metadata": {
-                "labels": {**names.labels(plan.name, pool.role), **dict(pool.pod_labels), names.REVISION: pool.config_hash},
+                "labels": {**names.labels(plan.name, pool.role), **dict(pool.pod_labels), names.REVISION: pool.config_hash,
+                           **({names.KV_REVISION: plan.kv_revision}
+                              if plan.kv_revision and pool.role in (Role.PREFILL, Role.DECODE) else {})},
                 "annotations": {names.CONFIG_HASH: pool.config_hash},
             },
             "spec": pod,
