@@ -126,9 +126,13 @@ def decide(spec: AutoscalingSpec, signals: Signals, current: Replicas, history: 
     d_rec = _clamp(d_raw, spec.decode.min_replicas, spec.decode.max_replicas)
     reasons = {DECODE: d_why}
     p_rec: int | None = None
+    alone: dict[str, int] = {}  # what the signals alone recommend, where the ratio changed it
     if current.prefill is not None:
         p_raw, reasons[PREFILL] = _size(current.prefill, pre_ratios, spec.tolerance)
-        p_rec, d_rec = hold_ratio(spec, _clamp(p_raw, spec.prefill.min_replicas, spec.prefill.max_replicas), d_rec)
+        p_signal, d_signal = _clamp(p_raw, spec.prefill.min_replicas, spec.prefill.max_replicas), d_rec
+        p_rec, d_rec = hold_ratio(spec, p_signal, d_signal)
+        alone = {pool: signal for pool, signal, held in ((PREFILL, p_signal, p_rec), (DECODE, d_signal, d_rec))
+                 if signal != held}
     rec = Recommendation(now, p_rec, d_rec)
     # No history (the planner just started): the current sizes count as recommended now, so nothing
     # shrinks before a whole scale-down window of readings.
@@ -143,17 +147,19 @@ def decide(spec: AutoscalingSpec, signals: Signals, current: Replicas, history: 
     prefill = _clamp(_stabilise(current.prefill, now, [(r.at, r.prefill, r.found) for r in recent if r.prefill is not None],
                                 up, down), spec.prefill.min_replicas, spec.prefill.max_replicas)
     held_p, held_d = hold_ratio(spec, prefill, decode)
-    ratio_held = (held_p, held_d) != (prefill, decode)
+    alone |= {pool: before for pool, before, after in ((PREFILL, prefill, held_p), (DECODE, decode, held_d))
+              if before != after and pool not in alone}
+    final = Replicas(held_p, held_d)
+    # The ratio decided a size: it differs from what the signals alone would have made it.
+    alone = {pool: v for pool, v in alone.items() if getattr(final, pool) != v}
+    ratio_held = bool(alone)
     # What the ratio raised stays raised for a whole window, as if recommended.
     recent[-1] = replace(rec, prefill=max(p_rec or 0, held_p) if held_p > prefill else p_rec,
                          decode=max(d_rec, held_d) if held_d > decode else d_rec)
-    final = Replicas(held_p, held_d)
     reasons = _explain(reasons, current, final)
-    if ratio_held:
-        for pool, before, after in ((PREFILL, prefill, held_p), (DECODE, decode, held_d)):
-            if before != after:
-                reasons[pool] = (f"ratio bounds {spec.ratio.min:g}-{spec.ratio.max:g} prefill per decode pod "
-                                 f"hold it at {after} (signals alone: {before})")
+    for pool, before in alone.items():
+        reasons[pool] = (f"ratio bounds {spec.ratio.min:g}-{spec.ratio.max:g} prefill per decode pod hold it at "
+                         f"{getattr(final, pool)} (signals alone: {before}; {reasons[pool]})")
     return Decision(final, _kept(spec, recent, now), reasons, ratio_held)
 
 

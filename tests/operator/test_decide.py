@@ -168,3 +168,18 @@ def test_sustained_load_reaches_the_bounds_and_idle_returns_to_the_minimum() -> 
     assert steps[-1].after == Replicas(1, 1)
     first_down = next(st.at for st in steps[peak:] if st.after.decode < 8)
     assert first_down - steps[7].at > 60  # the last hot recommendation had to leave the window
+
+
+def test_a_size_the_ratio_decided_says_so() -> None:
+    # Prefill grows to 3 on its queue; decode's own signal (KV 10%) wants 1, the ratio max 1 needs 3.
+    s = spec(ratio={"min": 0.5, "max": 1})
+    d = decide(s, Signals(waiting=40, kv_usage=0.1), Replicas(1, 1), (), now=0)
+    assert d.replicas == Replicas(8, 8) and d.ratio_held
+    assert d.reasons["decode"].startswith("ratio bounds 0.5-1") and "signals alone: 1" in d.reasons["decode"]
+    assert "ratio" not in d.reasons["prefill"]
+    # Held there on the next reading: still the ratio's doing, and said so.
+    again = decide(s, Signals(waiting=40, kv_usage=0.1), d.replicas, d.history, now=15)
+    assert again.replicas == Replicas(8, 8) and again.ratio_held and "ratio bounds" in again.reasons["decode"]
+    # Without a ratio bound in the way, nothing is said about it.
+    free = decide(spec(ratio={"min": 0, "max": 100}), Signals(waiting=40, kv_usage=0.1), Replicas(1, 1), (), now=0)
+    assert not free.ratio_held and "ratio" not in free.reasons["decode"]
