@@ -145,3 +145,32 @@ def test_the_planner_scales_within_bounds_and_ratio_and_back_after_the_window(
     assert metrics.get('disagg_operator_planner_decisions_total{outcome="scaled_down"}', 0) >= 1
     assert any(k.startswith("disagg_operator_planner_desired_replicas") and f'namespace="{ns}"' in k for k in metrics)
 
+
+
+def test_a_users_hpa_keeps_its_pool_and_the_planner_plans_the_other(
+        cluster: Cluster, operator: OperatorProcess, prometheus: FakePrometheus, ns: str) -> None:
+    doc = example()
+    doc["spec"]["pools"]["render"] = {"replicas": 0}
+    doc["spec"]["autoscaling"] = {
+        "prefill": {"minReplicas": 1, "maxReplicas": 2}, "decode": {"minReplicas": 2, "maxReplicas": 4},
+        "targets": {"waitingPerPrefillPod": 4}, "intervalSeconds": INTERVAL, "prometheus": {"url": prometheus.url},
+    }
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "mine"},
+           "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen3-8b-decode"},
+                    "minReplicas": 1, "maxReplicas": 3,
+                    "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": {
+                        "type": "Utilization", "averageUtilization": 80}}}]}}
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                    "items": [hpa, doc]}))
+    prometheus.values["waiting"] = 40.0
+
+    def planned() -> dict[str, Any] | None:
+        pools = get(cluster, ns, "dm", "qwen3-8b").get("status", {}).get("autoscaling", {}).get("pools", {})
+        return pools if pools.get("prefill", {}).get("current") == 2 else None
+    pools = cluster.wait_for(planned, "prefill planned up to its max", timeout=120)
+    assert pools["decode"]["managedBy"] == "HorizontalPodAutoscaler/mine"
+    assert pools["prefill"]["managedBy"] == "planner"
+    # The planner's minimum of 2 decode pods was not imposed: the pool is the HPA's (which, without a
+    # metrics server here, leaves the Deployment's 1).
+    assert get(cluster, ns, "deployment", "qwen3-8b-decode")["spec"]["replicas"] == 1
+    assert (pools["decode"]["current"], pools["decode"]["desired"]) == (1, 1)
