@@ -196,6 +196,11 @@ def _refresh_status(namespace: str, name: str, memo: kopf.Memo, models: kopf.Ind
         return
     doc = owners[0]
     key = (namespace, name)
+    if key not in memo.unavailable:
+        # Not converged by this process yet (an operator start replays the children first): which
+        # optional objects exist (PodMonitors, an InferencePool) is unknown until then, and the
+        # model's own handler refreshes the status right after it converges.
+        return
     known = memo.statuses.get(key)  # what we last wrote; the index may not show it yet
     if known is not None and known.get("observedGeneration") == doc["metadata"].get("generation"):
         doc = {**doc, "status": {**(doc.get("status") or {}), **known}}
