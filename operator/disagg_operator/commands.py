@@ -49,6 +49,10 @@ def render_manifests(documents: Iterable[Any], default_namespace: str) -> list[d
             raise SpecError([f"document {i + 1} is a {kind}, not a {API_VERSION} {KIND}"], "input")
         manifest = parse_manifest(doc, default_namespace)
         objects = build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
+        # PodMonitors on "auto" depend on the cluster serving their CRD, which a manifest cannot know:
+        # printed only when asked for ("true"), so `kubectl apply` works on clusters without them.
+        if manifest.spec.monitoring.pod_monitors != "true":
+            objects = [o for o in objects if o["kind"] != "PodMonitor"]
         # What the operator creates once gets its key here (`kubectl apply` of it again would rotate it).
         out += [with_new_key(o) if BY_TYPE[(o["apiVersion"], o["kind"])].create_only else o for o in objects]
     return out
