@@ -31,8 +31,9 @@ Fetch = Callable[[str], str]  # URL → body (raises OSError/ValueError when the
 
 def http_get(url: str) -> str:
     request = urllib.request.Request(url, headers={"Accept": "text/plain; version=0.0.4, application/json"})
-    # No redirects to follow: a scrape target or Prometheus that redirects is misconfigured.
-    opener = urllib.request.build_opener(_NoRedirect)
+    # No redirects to follow (a scrape target or Prometheus that redirects is misconfigured), and no
+    # proxy from the environment: pod addresses are reached directly.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
     with opener.open(request, timeout=TIMEOUT) as response:
         body = response.read(MAX_BYTES + 1)
     if len(body) > MAX_BYTES:
