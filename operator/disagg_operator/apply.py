@@ -8,6 +8,7 @@ merge patches of the DisaggregatedModel status. Raw JSON in and out: no client m
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,9 +20,11 @@ from disagg_operator.kinds import BY_TYPE, Kind
 from disagg_operator.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = names.OPERATOR
+PLANNER_MANAGER = f"{names.OPERATOR}-planner"  # replica counts it sets show as this manager's
 APPLY = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 MERGE = "application/merge-patch+json"
 
+SERVES_TTL = 10.0  # seconds a discovery answer is reused
 NAMESPACE_TERMINATING = "NamespaceTerminating"  # the cause of a refused creation in a namespace being deleted
 
 
@@ -56,12 +59,14 @@ def _error(exc: ApiException, what: str) -> ApplyError:
 
 
 class KubeApi:
-    def __init__(self, api_client: client.ApiClient):
+    def __init__(self, api_client: client.ApiClient, withheld: frozenset[Kind] = frozenset()):
         self._client = api_client
         self._apis: dict[str, Any] = {}
+        self._withheld = withheld  # kinds this operator must not write (reported as not served)
+        self._served: dict[Kind, tuple[float, bool]] = {}  # discovery answers, reused for SERVES_TTL
 
     @classmethod
-    def from_environment(cls, connections: int = 32) -> KubeApi:
+    def from_environment(cls, connections: int = 32, withheld: frozenset[Kind] = frozenset()) -> KubeApi:
         """In-cluster service account, else the kubeconfig (KUBECONFIG or ~/.kube/config).
 
         ``connections`` should match the number of threads calling the API: a smaller pool makes
@@ -73,7 +78,7 @@ class KubeApi:
             config.load_kube_config()
         configuration = client.Configuration.get_default_copy()
         configuration.connection_pool_maxsize = connections
-        return cls(client.ApiClient(configuration))
+        return cls(client.ApiClient(configuration), withheld)
 
     def _api(self, name: str) -> Any:
         """The client's ``name`` API (``CoreV1Api``...), made once: ``kubernetes.client`` resolves its
@@ -130,9 +135,20 @@ class KubeApi:
 
     def serves(self, kind: Kind) -> bool:
         """Whether the API server serves ``kind`` (a custom resource's CRD is installed): API discovery,
-        which every authenticated client may read."""
+        which every authenticated client may read. An answer is reused for ``SERVES_TTL`` seconds: every
+        model converging at once asks about the same kinds (PodMonitors: every model, by default)."""
+        if kind in self._withheld:
+            return False
         if not kind.custom:
             return True
+        cached = self._served.get(kind)
+        if cached is not None and time.monotonic() - cached[0] < SERVES_TTL:
+            return cached[1]
+        served = self._discover(kind)
+        self._served[kind] = (time.monotonic(), served)
+        return served
+
+    def _discover(self, kind: Kind) -> bool:
         group, _, version = kind.api_version.rpartition("/")
         try:
             response = self._api("CustomObjectsApi").get_api_resources(group, version, _preload_content=False)
@@ -141,6 +157,47 @@ class KubeApi:
                 return False
             raise _error(exc, f"discover {kind.api_version}") from None
         return any(r.get("name") == kind.plural for r in json.loads(response.data).get("resources") or [])
+
+    # --- the planner (planner.py) ---------------------------------------------------------------
+
+    def scale(self, namespace: str, deployment: str, replicas: int) -> None:
+        """Set a Deployment's replica count through its scale subresource (what `kubectl scale` does)."""
+        try:
+            self._api("AppsV1Api").patch_namespaced_deployment_scale(
+                deployment, namespace, {"spec": {"replicas": replicas}}, field_manager=PLANNER_MANAGER,
+                _content_type=MERGE, _preload_content=False)
+        except ApiException as exc:
+            raise _error(exc, f"scale Deployment {namespace}/{deployment}") from None
+
+    def service_endpoints(self, namespace: str, service: str) -> list[tuple[str, str]]:
+        """(pod name, address) of the ready endpoints of a Service's EndpointSlices."""
+        try:
+            response = self._api("DiscoveryV1Api").list_namespaced_endpoint_slice(
+                namespace, label_selector=f"kubernetes.io/service-name={service}", _preload_content=False)
+        except ApiException as exc:
+            raise _error(exc, f"list EndpointSlices of {namespace}/{service}") from None
+        out = []
+        for item in json.loads(response.data).get("items") or []:
+            for endpoint in item.get("endpoints") or []:
+                if (endpoint.get("conditions") or {}).get("ready") is False or not endpoint.get("addresses"):
+                    continue
+                pod = (endpoint.get("targetRef") or {}).get("name") or endpoint["addresses"][0]
+                out.append((pod, endpoint["addresses"][0]))
+        return out
+
+    def hpa_targets(self, namespace: str) -> dict[str, str]:
+        """Deployment name → the HorizontalPodAutoscaler scaling it, for the namespace's HPAs."""
+        try:
+            response = self._api("AutoscalingV2Api").list_namespaced_horizontal_pod_autoscaler(
+                namespace, _preload_content=False)
+        except ApiException as exc:
+            raise _error(exc, f"list HorizontalPodAutoscalers in {namespace}") from None
+        out = {}
+        for item in json.loads(response.data).get("items") or []:
+            ref = (item.get("spec") or {}).get("scaleTargetRef") or {}
+            if ref.get("kind") == "Deployment" and ref.get("name"):
+                out[ref["name"]] = item["metadata"]["name"]
+        return out
 
     def model_exists(self, namespace: str, name: str, uid: str) -> bool:
         """Whether this very DisaggregatedModel (same uid) still exists."""

@@ -49,6 +49,10 @@ def render_manifests(documents: Iterable[Any], default_namespace: str) -> list[d
             raise SpecError([f"document {i + 1} is a {kind}, not a {API_VERSION} {KIND}"], "input")
         manifest = parse_manifest(doc, default_namespace)
         objects = build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
+        # PodMonitors on "auto" depend on the cluster serving their CRD, which a manifest cannot know:
+        # printed only when asked for ("true"), so `kubectl apply` works on clusters without them.
+        if manifest.spec.monitoring.pod_monitors != "true":
+            objects = [o for o in objects if o["kind"] != "PodMonitor"]
         # What the operator creates once gets its key here (`kubectl apply` of it again would rotate it).
         out += [with_new_key(o) if BY_TYPE[(o["apiVersion"], o["kind"])].create_only else o for o in objects]
     return out
@@ -115,6 +119,11 @@ def operator_main(argv: Sequence[str]) -> int:
     parser.add_argument("--crd-retry-seconds", type=float, default=CRD_RETRY_SECONDS, metavar="S",
                         help="how often a model whose spec needs a CRD the cluster lacks (e.g. InferencePool) "
                         "is converged again, so installing the CRD later takes effect (default: %(default)s)")
+    parser.add_argument("--no-pod-monitors", action="store_true",
+                        help="write no PodMonitors (the operator has no RBAC on them): models asking for them "
+                        "(spec.monitoring.podMonitors: true) say so in their status")
+    parser.add_argument("--no-planner", action="store_true",
+                        help="do not run the planner of spec.autoscaling (the operator may not scale Deployments)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(list(argv))
     if args.priority is not None and args.peering is None:
@@ -124,8 +133,14 @@ def operator_main(argv: Sequence[str]) -> int:
 
     import kopf
 
-    from disagg_operator import handlers  # noqa: F401  (registers the handlers)
+    from disagg_operator import handlers
+    from disagg_operator.kinds import POD_MONITOR, WATCHED_KINDS
     from disagg_operator.metrics import serve
+
+    withheld = frozenset({POD_MONITOR} if args.no_pod_monitors else ())
+    handlers.register(tuple(k for k in WATCHED_KINDS if k not in withheld))
+    if not args.no_planner:
+        from disagg_operator import planner_handlers  # noqa: F401  (registers the planner's timer)
 
     kopf.configure(verbose=args.verbose)
     if args.metrics_port:
@@ -143,6 +158,6 @@ def operator_main(argv: Sequence[str]) -> int:
         peering_name=args.peering,
         priority=peering_priority(args.peering, args.priority),
         liveness_endpoint=args.liveness,
-        memo=kopf.Memo(crd_retry_seconds=args.crd_retry_seconds),
+        memo=kopf.Memo(crd_retry_seconds=args.crd_retry_seconds, withheld=withheld),
     )
     return 0

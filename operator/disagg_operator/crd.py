@@ -173,10 +173,41 @@ def status_schema() -> dict[str, Any]:
                 "properties": {"name": {"type": "string"}, "targetPort": {"type": "integer"},
                                "selector": {"type": "object", "additionalProperties": {"type": "string"}}},
             },
+            "monitoring": {
+                "type": "object", "description": "The PodMonitors written for spec.monitoring.",
+                "properties": {"podMonitors": {"type": "array", "items": {"type": "string"}}},
+            },
+            "autoscaling": _autoscaling_status(),
             "conditions": {
                 "type": "array", "items": condition,
                 "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
             },
+        },
+    }
+
+
+def _autoscaling_status() -> dict[str, Any]:
+    """What planner.py writes for spec.autoscaling (docs/autoscaling.md)."""
+    number = {"type": "number"}
+    pool = {"type": "object", "properties": {
+        "current": {"type": "integer", "description": "The Deployment's replicas when the planner decided."},
+        "desired": {"type": "integer", "description": "What the planner set (or wants, when another scaler owns it)."},
+        "minReplicas": {"type": "integer"}, "maxReplicas": {"type": "integer"},
+        "managedBy": {"type": "string", "description": "planner, or HorizontalPodAutoscaler/NAME: a user's HPA wins."},
+        "reason": {"type": "string", "description": "Why the pool has (or keeps) this size."},
+    }}
+    return {
+        "type": "object", "description": "The planner's last decision (spec.autoscaling).",
+        "properties": {
+            "source": {"type": "string", "enum": ["pods", "prometheus"]},
+            "lastDecisionTime": {"type": "string", "format": "date-time"},
+            "lastScaleTime": {"type": "string", "format": "date-time"},
+            "signals": {"type": "object", "properties": {
+                "ttftP90Seconds": number, "waitingRequests": number, "itlP90Seconds": number,
+                "decodeKVCacheUsage": number}},
+            "pools": {"type": "object", "additionalProperties": pool},
+            "ratioHeld": {"type": "boolean", "description": "The ratio bounds changed a size."},
+            "errors": {"type": "array", "items": {"type": "string"}, "description": "Signals not read."},
         },
     }
 

@@ -27,13 +27,14 @@ import kopf
 
 from disagg_operator import drift, metrics, names
 from disagg_operator.apply import ApplyError, KubeApi
-from disagg_operator.kinds import WATCHED_KINDS
+from disagg_operator.kinds import WATCHED_KINDS, Kind
 from disagg_operator.reconcile import Outcome, converge, model_status, restore_child
 from disagg_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from disagg_operator.status import UNTESTED_VERSION, status_patch
 
 CHILD_FILTER = {names.MANAGED_BY: names.OPERATOR, names.INSTANCE: kopf.PRESENT}
 RETRY_SECONDS = 10
+ROLLOUT_RETRY_SECONDS = 10  # how soon an older KV revision's prefill Service is looked at again
 WORKERS = 32  # threads for sync handlers, and API connections to match
 
 
@@ -50,7 +51,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.loggers = False  # Events only for what we report explicitly, not every log line
     settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
     settings.execution.max_workers = WORKERS  # sync handlers; many models may converge at once
-    memo.api = KubeApi.from_environment(connections=WORKERS)
+    memo.api = KubeApi.from_environment(connections=WORKERS, withheld=memo.withheld)
     # The status each model was last given by this process. The models index may lag behind our
     # own writes; diffing against it would repeat writes during bursts of child events.
     memo.statuses = {}
@@ -69,10 +70,6 @@ def models(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[s
 
 def _index_child(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     return {(namespace, labels[names.INSTANCE]): _plain(body)}
-
-
-for _kind in WATCHED_KINDS:
-    kopf.index(*_kind.resource, id="children", labels=CHILD_FILTER)(_index_child)
 
 
 def _live(children: kopf.Index, namespace: str, name: str) -> dict[drift.Key, dict[str, Any]]:
@@ -152,8 +149,11 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, models: kopf.
     memo.unavailable[(meta["namespace"], meta["name"])] = tuple(outcome.unavailable)
     memo.status_writer.submit((meta["namespace"], meta["name"]),
                               lambda: _refresh_status(meta["namespace"], meta["name"], memo, models, children))
-    if outcome.unavailable:  # reported in the status; try again in case the CRD gets installed
-        raise kopf.TemporaryError(f"CRDs not installed: {', '.join(outcome.unavailable)}",
+    if outcome.retained:  # an older KV revision's prefill Service goes once decode has rolled
+        raise kopf.TemporaryError(f"kept while decode rolls out: {', '.join(outcome.retained)}",
+                                  delay=ROLLOUT_RETRY_SECONDS)
+    if outcome.awaited:  # reported in the status; try again in case the CRD gets installed
+        raise kopf.TemporaryError(f"CRDs not installed: {', '.join(outcome.awaited)}",
                                   delay=memo.crd_retry_seconds)  # `disagg operator --crd-retry-seconds`
 
 
@@ -198,6 +198,11 @@ def _refresh_status(namespace: str, name: str, memo: kopf.Memo, models: kopf.Ind
         return
     doc = owners[0]
     key = (namespace, name)
+    if key not in memo.unavailable:
+        # Not converged by this process yet (an operator start replays the children first): which
+        # optional objects exist (PodMonitors, an InferencePool) is unknown until then, and the
+        # model's own handler refreshes the status right after it converges.
+        return
     known = memo.statuses.get(key)  # what we last wrote; the index may not show it yet
     if known is not None and known.get("observedGeneration") == doc["metadata"].get("generation"):
         doc = {**doc, "status": {**(doc.get("status") or {}), **known}}
@@ -243,5 +248,9 @@ class StatusWriter:
             raise
 
 
-for _kind in WATCHED_KINDS:
-    kopf.on.event(*_kind.resource, id=f"child-{_kind.plural}", labels=CHILD_FILTER)(child_changed)
+def register(kinds: tuple[Kind, ...] = WATCHED_KINDS) -> None:
+    """Index and watch the child kinds the operator may own (``disagg operator`` leaves out those it
+    is told not to write, e.g. PodMonitors with --no-pod-monitors: their list/watch would be refused)."""
+    for kind in kinds:
+        kopf.index(*kind.resource, id="children", labels=CHILD_FILTER)(_index_child)
+        kopf.on.event(*kind.resource, id=f"child-{kind.plural}", labels=CHILD_FILTER)(child_changed)

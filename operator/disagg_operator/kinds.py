@@ -42,6 +42,8 @@ class Kind:
 
 INFERENCE_POOL = Kind("inference.networking.k8s.io/v1", "InferencePool", "inferencepools", "CustomObjectsApi",
                       "namespaced_custom_object", optional=True)
+POD_MONITOR = Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors", "CustomObjectsApi",
+                   "namespaced_custom_object", optional=True)
 
 # In apply order: what a pod mounts or uses exists first.
 MANAGED_KINDS: tuple[Kind, ...] = (
@@ -60,6 +62,7 @@ MANAGED_KINDS: tuple[Kind, ...] = (
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets", "PolicyV1Api",
          "namespaced_pod_disruption_budget"),
     INFERENCE_POOL,  # after the pods it selects
+    POD_MONITOR,
 )
 WATCHED_KINDS: tuple[Kind, ...] = tuple(k for k in MANAGED_KINDS if not k.create_only)
 BY_TYPE: Mapping[tuple[str, str], Kind] = {(k.api_version, k.kind): k for k in MANAGED_KINDS}

@@ -6,7 +6,7 @@ server on its own port, beside kopf's liveness endpoint.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry()
 _NS = "disagg_operator"
@@ -22,6 +22,16 @@ OBJECTS_PRUNED = Counter(f"{_NS}_objects_pruned", "Child objects deleted because
 RESTORES = Counter(f"{_NS}_drift_restores", "Child objects put back after someone edited or deleted them.",
                    ["kind"], registry=REGISTRY)
 STATUS_WRITES = Counter(f"{_NS}_status_writes", "Status patches written to models.", registry=REGISTRY)
+
+# The planner (spec.autoscaling): what it read, wanted and did, per model and pool.
+PLANNER_DECISIONS = Counter(f"{_NS}_planner_decisions", "Planner decisions by outcome (scaled_up, scaled_down, held, "
+                            "failed).", ["outcome"], registry=REGISTRY)
+PLANNER_DESIRED = Gauge(f"{_NS}_planner_desired_replicas", "Replicas the planner wants for a pool.",
+                        ["namespace", "model", "pool"], registry=REGISTRY)
+PLANNER_SIGNAL = Gauge(f"{_NS}_planner_signal", "The signals of the planner's last decision (ttft_p90, waiting, "
+                       "itl_p90, kv_usage).", ["namespace", "model", "signal"], registry=REGISTRY)
+PLANNER_READ_ERRORS = Counter(f"{_NS}_planner_read_errors", "Signals the planner could not read (a pod or a query).",
+                              registry=REGISTRY)
 
 
 def kind_of(label: str) -> str:

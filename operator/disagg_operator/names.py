@@ -28,6 +28,11 @@ POOL = "disagg.dev/pool"
 INFERENCE_POOL = "disagg.dev/inference-pool"  # only on pods of an enabled InferencePool
 LLM_D_ROLE = "llm-d.ai/role"  # what llm-d's P/D filters select prefill and decode pods by
 CONFIG_HASH = "disagg.dev/config-hash"
+# On every pod: its pool's configuration hash (monitors copy it to the label `revision`; the sidecar pairs by it).
+REVISION = "disagg.dev/revision"
+# On prefill and decode pods: the hash of what decides whether a prefill pod's KV cache fits a decode pod
+# (plan.kv_revision). A decode pod's sidecar sends prefill legs only to prefill pods of its own.
+KV_REVISION = "disagg.dev/kv-revision"
 
 APP = "disagg"
 OPERATOR = "disagg-operator"  # also the server-side-apply field manager
@@ -36,6 +41,7 @@ SIDECAR_COMPONENT = "sidecar"
 SECURITY_COMPONENT = "security"
 CONFIG_COMPONENT = "config"
 CLIENT_COMPONENT = "router"
+MONITORING_COMPONENT = "monitoring"
 
 # Container and port names (Services target ports by name).
 VLLM_CONTAINER = "vllm"
@@ -56,8 +62,21 @@ def pool_service(model: str, role: Role) -> str:
     return f"{model}-{role}"
 
 
+def prefill_revision_service(model: str, kv_revision: str) -> str:
+    """The headless Service of the prefill pods of one KV revision (a DNS label: 54 + 3 + 6 characters)."""
+    return f"{model}-kv{kv_revision[:6]}"
+
+
 def config_map(model: str) -> str:
     return f"{model}-config"
+
+
+def engine_monitor(model: str) -> str:
+    return f"{model}-engines"
+
+
+def sidecar_monitor(model: str) -> str:
+    return f"{model}-sidecars"
 
 
 def engine_api_key_secret(model: str) -> str:

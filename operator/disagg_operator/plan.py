@@ -59,6 +59,7 @@ class Plan:
     config_hash: str
     service_type: str
     service_port: int
+    kv_revision: str | None = None  # with a prefill pool: what prefill and decode must agree on (kv_revision)
 
     def pool(self, role: Role) -> PoolPlan | None:
         return next((p for p in self.pools if p.role == role), None)
@@ -142,17 +143,21 @@ def build_plan(
     def service(role: Role, active: bool) -> str | None:
         return names.pool_service(name, role) if active else None
 
+    source = ModelSource.parse(m.source, m.revision)
+    revision = kv_revision(spec, source, kv) if disaggregated else None
+
     sidecar_cfg = _sidecar_config(spec, m.served_name or name, kv, render_tier, sidecar_config.cluster_endpoints(
         namespace=namespace, engine_port=spec.engine.port, render_service=service(Role.RENDER, render_tier),
         # <name>-derender always selects whichever pool derenders, so switching between a shared
         # and a separate derender pool re-points a Service instead of rolling decode.
         derender_service=service(Role.DERENDER, render_tier),
-        prefill_service=service(Role.PREFILL, disaggregated),
+        # Only the prefill pods of this decode pod's KV revision (a rollout never pairs mismatched pods).
+        prefill_service=names.prefill_revision_service(name, revision) if revision else None,
         tls_name=names.engine_tls_name(name, namespace) if spec.security.tls else None,
     ), Listen(host=LISTEN_HOST, port=spec.router.port))
 
     inputs = PoolInputs(
-        spec=spec, name=name, model=ModelSource.parse(m.source, m.revision), template=template, kv=kv,
+        spec=spec, name=name, model=source, template=template, kv=kv,
         render_tier=render_tier, sidecar=dump_config(sidecar_cfg),
         shared=tuple(engine_args.model_flags(m.served_name or name, m.max_model_len, m.max_logprobs)),
         tokenize=tuple(engine_args.chat_template_flags(template.path if template else None,
@@ -171,5 +176,17 @@ def build_plan(
         sidecar=SidecarPlan(spec.router.image, spec.router.port, spec.router.resources, sidecar_cfg), kv=kv,
         derender_shared=render_tier and not derender_separate, derender_strategy=derender.strategy(spec, render_tier),
         config_hash=config_hash({p.role: p.config_hash for p in plans}), service_type=spec.router.service.type,
-        service_port=spec.router.service.port,
+        service_port=spec.router.service.port, kv_revision=revision,
     )
+
+
+def kv_revision(spec: DisaggregatedModelSpec, model: ModelSource, kv: KVPlan) -> str:
+    """The hash of what decides whether prefill's KV cache is usable by decode: the weights, the engine
+    image and version, the model-wide engine flags (dtype, context length, ...) and the KV connector's
+    configuration. Sizes, placement and pool-only flags are not in it: changing those pairs as before."""
+    return config_hash({
+        "model": [model.argument, model.revision], "image": spec.engine.gpu_image,
+        "vllm": spec.engine.vllm_version, "args": list(spec.model.engine_args),
+        "maxModelLen": spec.model.max_model_len, "kv": [kv.name, dict(kv.extra_config), kv.engine_module],
+        "blockTokens": kv.block_tokens,
+    })

@@ -101,6 +101,12 @@ class PoolPlan:
     config_hash: str
     health_path: str = HEALTH_PATH
     pod_labels: tuple[tuple[str, str], ...] = ()  # beyond names.labels: an InferencePool's membership
+    planned: bool = False  # spec.autoscaling: the operator's planner owns the replica count
+
+    @property
+    def external_replicas(self) -> bool:
+        """Someone else than the spec sets the count (an HPA, the planner): the Deployment leaves it out."""
+        return self.autoscaling is not None or self.planned
 
     def server_args(self, model: ModelSource, *, model_arg: str | None = None, port: int | None = None,
                     host: str = "0.0.0.0") -> list[str]:

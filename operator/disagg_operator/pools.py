@@ -128,6 +128,7 @@ def _pool_plan(i: PoolInputs, role: Role, pool: PoolSpec, launcher: Launcher, ar
         affinity=pool.affinity, autoscaling=_autoscaling(pool),
         startup_seconds=GPU_STARTUP_SECONDS if gpu else CPU_STARTUP_SECONDS, config_hash=config_hash(effective),
         pod_labels=tuple(pod_labels.items()),
+        planned=spec.autoscaling is not None and role in (Role.PREFILL, Role.DECODE),
     )
 
 

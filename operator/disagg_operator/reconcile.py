@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from disagg_operator import drift, names
-from disagg_operator.kinds import BY_TYPE, Kind
+from disagg_operator.kinds import BY_TYPE, POD_MONITOR, Kind
 from disagg_operator.objects import build_objects
 from disagg_operator.objects.secrets import with_new_key
 from disagg_operator.plan import Plan, build_plan
@@ -40,7 +40,10 @@ class Outcome:
     pruned: list[str] = field(default_factory=list)
     invalid: str | None = None  # the spec cannot be served (nothing was applied) ...
     invalid_status: dict[str, Any] | None = None  # ... and the status that says so
-    unavailable: list[str] = field(default_factory=list)  # CRDs the spec needs that the cluster lacks
+    unavailable: list[str] = field(default_factory=list)  # CRDs of desired kinds that the cluster lacks
+    awaited: list[str] = field(default_factory=list)  # ... of which the spec requires (retried until installed)
+    # Not pruned yet: the prefill Service of an older KV revision while decode rolls (retried until it is done).
+    retained: list[str] = field(default_factory=list)
     untested_version: str | None = None  # why the spec's vLLM version is outside the release table (an Event)
 
 
@@ -101,6 +104,9 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
     optional = {BY_TYPE[(o["apiVersion"], o["kind"])] for o in desired} - {k for k in BY_TYPE.values() if not k.optional}
     missing = {kind for kind in optional if not api.serves(kind)}
     outcome.unavailable = sorted(kind.crd for kind in missing)
+    # PodMonitors on "auto" are written where the CRD is served and quietly left out elsewhere.
+    outcome.awaited = sorted(kind.crd for kind in missing
+                             if kind is not POD_MONITOR or plan.spec.monitoring.pod_monitors == "true")
     desired = [o for o in desired if BY_TYPE[(o["apiVersion"], o["kind"])] not in missing]
     for obj in [o for o in desired if BY_TYPE[(o["apiVersion"], o["kind"])].create_only]:
         if api.create_if_missing(with_new_key(obj)):  # a key is drawn each time, kept only on creation
@@ -110,10 +116,29 @@ def converge(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]]
         _, wrote = _apply(api, obj, current.get(drift.key_of(obj)))
         if wrote:
             outcome.applied.append(_label(obj))
+    rolling = decode_rolling(plan, current)
     for obj in drift.to_prune(desired, current, meta["uid"]):
+        if rolling and names.KV_REVISION in (obj["metadata"].get("labels") or {}):
+            outcome.retained.append(_label(obj))  # decode pods of that KV revision may still send to it
+            continue
         api.delete(obj)
         outcome.pruned.append(_label(obj))
     return outcome
+
+
+def decode_rolling(plan: Plan, live: Mapping[drift.Key, Mapping[str, Any]]) -> bool:
+    """Whether decode pods of an older configuration may still run: the live decode Deployment does not
+    yet run the plan's template, its controller has not seen it, or old pods remain."""
+    pool = plan.pool(names.Role.DECODE)
+    deployment = next((obj for key, obj in live.items() if key[1] == "Deployment" and pool is not None
+                       and key[3] == pool.name), None)
+    if pool is None or deployment is None:
+        return False
+    spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
+    template = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
+    return (template.get(names.CONFIG_HASH) != pool.config_hash
+            or int(status.get("observedGeneration") or 0) < int(deployment["metadata"].get("generation") or 0)
+            or int(status.get("replicas") or 0) > int(status.get("updatedReplicas") or 0))
 
 
 def model_status(doc: Mapping[str, Any], live: Mapping[drift.Key, Mapping[str, Any]], *, now: str,

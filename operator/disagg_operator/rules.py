@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import engine_args
+from disagg_operator.rule import Rule
+from disagg_operator.scaling_rules import SCALING_RULES
 from disagg_sidecar import vllm_releases
 from disagg_sidecar.connectors import DEFAULT as DEFAULT_CONNECTOR, REGISTRY as KV_CONNECTORS
 
@@ -54,23 +56,6 @@ def connector_description() -> str:
     named = [f"{c.name}{' (default)' if c.name == DEFAULT_CONNECTOR else ''}{f' ({c.summary})' if c.summary else ''}"
              for c in KV_CONNECTORS.values()]
     return f"{', '.join(named)} or {NO_CONNECTOR}."
-
-
-@dataclass(frozen=True)
-class Rule:
-    id: str
-    target: str
-    cel: str
-    message: str
-    check: Callable[[Any], bool]  # True when valid; gets the target model instance (ROOT: the name)
-    field_path: str | None = None  # where the API server reports the error, relative to the target
-    # A message naming what broke the rule: CEL messageExpression and the same words in Python.
-    # ``message`` stays the fallback (the API server uses it if the expression cannot be evaluated).
-    message_cel: str | None = None
-    explain: Callable[[Any], str] | None = None
-
-    def message_for(self, value: Any) -> str:
-        return self.explain(value) if self.explain is not None else self.message
 
 
 # --- helpers that spell one idea in both languages ---------------------------------------------
@@ -315,6 +300,7 @@ RULES: tuple[Rule, ...] = (
         lambda a: a.target_cpu_utilization_percentage is None or a.target_cpu_utilization_percentage > 0,
         ".targetCPUUtilizationPercentage",
     ),
+    *SCALING_RULES,  # monitoring and the planner (scaling_rules.py)
     # --- router ----------------------------------------------------------------------------------
     _port_rule("router.port", "RouterSpec", "port", "router.port", 1024, " (the sidecar runs as non-root)"),
     Rule(

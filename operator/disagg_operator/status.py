@@ -18,6 +18,7 @@ InferencePoolReady Only with spec.router.inferencePool.enabled: True when the In
                    False with reason CRDNotInstalled when the cluster lacks its CRD.
 VersionSupported   True (Supported) when engine.vllmVersion is a release in ``disagg_sidecar.vllm_releases``;
                    False (UntestedVersion) otherwise: the model is served the conservative way. Not part of Ready.
+PodMonitorsReady   Only with spec.monitoring.podMonitors "true": the same for the PodMonitors.
 Ready              True when every pool condition (and InferencePoolReady) is True and nothing is Degraded.
 =================  ===========================================================================
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import names
-from disagg_operator.kinds import INFERENCE_POOL
+from disagg_operator.kinds import INFERENCE_POOL, POD_MONITOR
 from disagg_operator.names import Role
 from disagg_operator.plan import Plan
 from disagg_operator.pool_plan import PoolPlan
@@ -42,9 +43,10 @@ POOL_CONDITIONS: Mapping[Role, str] = {
     Role.DERENDER: "DerenderReady",
 }
 CONDITION_ORDER = ("Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "InferencePoolReady",
-                   "ConfigConsistent", "Progressing", "Degraded", "VersionSupported")
+                   "PodMonitorsReady", "ConfigConsistent", "Progressing", "Degraded", "VersionSupported")
 UNTESTED_VERSION = "UntestedVersion"  # the condition's reason, and the Event's
 INFERENCE_POOL_CRD = INFERENCE_POOL.crd
+POD_MONITOR_CRD = POD_MONITOR.crd
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,8 @@ def observe_pool(pool: PoolPlan, deployment: Mapping[str, Any] | None) -> PoolSt
     return PoolState(
         role=pool.role,
         # The spec's count, so a status for this generation never counts an older one as ready;
-        # with autoscaling the HPA owns the count and the Deployment's own spec says it.
-        desired=pool.replicas if pool.autoscaling is None else int(spec.get("replicas", pool.replicas)),
+        # with autoscaling the HPA or the planner owns the count and the Deployment's own spec says it.
+        desired=int(spec.get("replicas", pool.replicas)) if pool.external_replicas else pool.replicas,
         replicas=int(status.get("replicas") or 0),
         ready=int(status.get("readyReplicas") or 0),
         updated=int(status.get("updatedReplicas") or 0),
@@ -136,10 +138,25 @@ def _inference_pool_condition(plan: Plan, unavailable: Sequence[str]) -> Conditi
                      f"InferencePool {plan.name} selects the decode and prefill pods at port {plan.sidecar.port}")
 
 
+def _pod_monitors_condition(plan: Plan, unavailable: Sequence[str]) -> Condition:
+    if POD_MONITOR_CRD in unavailable:
+        return Condition("PodMonitorsReady", False, "CRDNotInstalled",
+                         f"monitoring.podMonitors is true but the cluster has no {POD_MONITOR_CRD} CRD: install the "
+                         "Prometheus Operator's CRDs (or set podMonitors to auto); the operator retries")
+    return Condition("PodMonitorsReady", True, "Applied",
+                     f"PodMonitors {', '.join(_pod_monitor_names(plan))} select this model's pods")
+
+
+def _pod_monitor_names(plan: Plan) -> list[str]:
+    return [names.engine_monitor(plan.name), names.sidecar_monitor(plan.name)]
+
+
 def conditions_for(plan: Plan, states: Sequence[PoolState], unavailable: Sequence[str] = ()) -> list[Condition]:
     conds = [_pool_condition(s) for s in states]
     if plan.spec.router.inference_pool.enabled:
         conds.append(_inference_pool_condition(plan, unavailable))
+    if plan.spec.monitoring.pod_monitors == "true":
+        conds.append(_pod_monitors_condition(plan, unavailable))
     if plan.derender_shared:
         render = next(c for c in conds if c.type == POOL_CONDITIONS[Role.RENDER])
         conds.append(Condition(POOL_CONDITIONS[Role.DERENDER], render.status, "SharedWithRender",
@@ -232,8 +249,16 @@ def compute_status(
             for s, pool in zip(states, plan.pools)
         },
         "inferencePool": _inference_pool(plan, unavailable),
+        "monitoring": _monitoring(plan, unavailable),
         "conditions": render_conditions(conditions, previous.get("conditions") or [], generation=generation, now=now),
     }
+
+
+def _monitoring(plan: Plan, unavailable: Sequence[str]) -> dict[str, Any] | None:
+    """The PodMonitors as written (None: none are)."""
+    if plan.spec.monitoring.pod_monitors == "false" or POD_MONITOR_CRD in unavailable:
+        return None
+    return {"podMonitors": _pod_monitor_names(plan)}
 
 
 def _inference_pool(plan: Plan, unavailable: Sequence[str]) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ CLUSTER_KINDS = "clusterroles,clusterrolebindings"
 CHILDREN = ("deployments.apps", "services", "configmaps", "serviceaccounts", "roles.rbac.authorization.k8s.io",
             "rolebindings.rbac.authorization.k8s.io", "horizontalpodautoscalers.autoscaling",
             "poddisruptionbudgets.policy", "networkpolicies.networking.k8s.io",
-            "inferencepools.inference.networking.k8s.io")
+            "inferencepools.inference.networking.k8s.io", "podmonitors.monitoring.coreos.com")
 ALLOWED = [
     *((verb, kind, None) for kind in CHILDREN for verb in ("get", "list", "watch", "create", "patch", "delete")),
     *((verb, CRD_NAME, None) for verb in ("get", "list", "watch", "patch")),
@@ -48,6 +48,7 @@ ALLOWED = [
     *((verb, "endpointslices.discovery.k8s.io", None) for verb in ("get", "list", "watch")),
     ("create", "events", None), ("patch", "events", None),
     ("create", "secrets", None),  # the engine API key Secret, created once and never read
+    ("patch", "deployments.apps", "scale"),  # the planner (spec.autoscaling)
 ]
 # ... and must not be able to do even there.
 DENIED_IN_WATCHED = [
@@ -59,6 +60,7 @@ DENIED_IN_WATCHED = [
     ("escalate", "roles.rbac.authorization.k8s.io", None), ("bind", "roles.rbac.authorization.k8s.io", None),
     ("delete", "events", None), ("update", "inferencepools.inference.networking.k8s.io", None),
     ("patch", "inferencepools.inference.networking.k8s.io", "status"),
+    ("update", "deployments.apps", "scale"), ("patch", "podmonitors.monitoring.coreos.com", "status"),
 ]
 # Cluster-scoped: nothing at all.
 DENIED_CLUSTER = [

@@ -33,8 +33,21 @@ def test_disagg_manifests_prints_the_operator_objects(capsys: pytest.CaptureFixt
     [secret] = [o for o in printed if o["kind"] == "Secret"]
     key = base64.b64decode(secret.pop("data")["api-key"])
     assert len(key) >= 43 and key != base64.b64decode(_printed_secret_key())
-    assert printed == build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
+    # PodMonitors (monitoring.podMonitors auto) only where the CRD is served, which a manifest cannot know.
+    assert printed == [o for o in build_objects(build_plan(manifest.spec, manifest.name, manifest.namespace))
+                       if o["kind"] != "PodMonitor"]
     assert {o["metadata"]["namespace"] for o in printed} == {"serving"}
+
+
+def test_disagg_manifests_prints_pod_monitors_when_asked_for(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    for setting, count in (("true", 2), ("auto", 0), ("false", 0)):
+        doc["spec"]["monitoring"] = {"podMonitors": setting}
+        (tmp_path / "m.yaml").write_text(yaml.safe_dump(doc))
+        assert main(["manifests", str(tmp_path / "m.yaml")]) == 0
+        printed = list(yaml.safe_load_all(capsys.readouterr().out))
+        assert sum(o["kind"] == "PodMonitor" for o in printed) == count, setting
 
 
 def _printed_secret_key() -> str:

@@ -80,10 +80,13 @@ def test_only_owned_objects_the_plan_dropped_are_pruned() -> None:
     foreign["metadata"]["ownerReferences"] = [{**OWNER, "uid": "uid-other"}]
     live[key_of(foreign)] = foreign
     pruned = sorted((o["kind"], o["metadata"]["name"]) for o in to_prune(after, live, "uid-1"))
-    assert pruned == [("Deployment", "qwen3-8b-prefill"), ("NetworkPolicy", "qwen3-8b-prefill"),
-                      ("PodDisruptionBudget", "qwen3-8b-prefill"),
-                      ("Role", "qwen3-8b-sidecar"), ("RoleBinding", "qwen3-8b-sidecar"),
-                      ("Service", "qwen3-8b-prefill"), ("ServiceAccount", "qwen3-8b-sidecar")]
+    revision = plan_of(full_spec()).kv_revision
+    assert revision is not None
+    assert pruned == sorted([("Deployment", "qwen3-8b-prefill"), ("NetworkPolicy", "qwen3-8b-prefill"),
+                             ("PodDisruptionBudget", "qwen3-8b-prefill"),
+                             ("Role", "qwen3-8b-sidecar"), ("RoleBinding", "qwen3-8b-sidecar"),
+                             ("Service", "qwen3-8b-prefill"), ("Service", f"qwen3-8b-kv{revision[:6]}"),
+                             ("ServiceAccount", "qwen3-8b-sidecar")])
 
 
 @pytest.mark.parametrize(("live", "desired", "expected"), [

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from disagg_operator import names
-from disagg_operator.kinds import INFERENCE_POOL, Kind
+from disagg_operator.kinds import INFERENCE_POOL, POD_MONITOR, Kind
 from disagg_operator.objects import build_objects
 from disagg_operator.plan import Plan, Role
 from disagg_operator.reconcile import converge, model_status
@@ -187,19 +187,23 @@ def test_converge_without_the_crd_applies_the_rest_and_says_which_crd_is_missing
     model = doc(enabled())
     api = RecordingApi(crd=False)
     outcome = converge(model, {}, api, now=T0)
-    assert outcome.unavailable == [INFERENCE_POOL.crd] and "InferencePool" not in api.applied
+    # PodMonitors on "auto" (the default) are left out quietly: missing, but not awaited.
+    assert outcome.unavailable == [INFERENCE_POOL.crd, POD_MONITOR.crd] and "InferencePool" not in api.applied
+    assert outcome.awaited == [INFERENCE_POOL.crd]
     assert "Deployment" in api.applied
     status = model_status(model, {}, now=T0, unavailable=tuple(outcome.unavailable))
     assert status is not None and conditions(status)["InferencePoolReady"]["reason"] == "CRDNotInstalled"
 
     with_crd = RecordingApi(crd=True)
     assert converge(model, {}, with_crd, now=T0).unavailable == [] and "InferencePool" in with_crd.applied
+    assert "PodMonitor" in with_crd.applied
 
 
 def test_models_without_the_pool_never_ask_for_the_crd() -> None:
     class NoDiscovery(RecordingApi):
         def serves(self, kind: Kind) -> bool:
-            raise AssertionError("asked about " + kind.kind)
+            assert kind is not INFERENCE_POOL, "asked about " + kind.kind
+            return True
     assert converge(doc(full_spec()), {}, NoDiscovery(crd=False), now=T0).unavailable == []
 
 

@@ -56,6 +56,8 @@ def test_object_names(plan: Plan) -> None:
         ("NetworkPolicy", "qwen3-8b-prefill"), ("NetworkPolicy", "qwen3-8b-decode"),
         ("NetworkPolicy", "qwen3-8b-render"), ("NetworkPolicy", "qwen3-8b-derender"),
         ("Secret", "qwen3-8b-engine-api-key"),
+        ("PodMonitor", "qwen3-8b-engines"), ("PodMonitor", "qwen3-8b-sidecars"),
+        ("Service", f"qwen3-8b-kv{(plan.kv_revision or '')[:6]}"),
     ])
     kinds = [o["kind"] for o in build_objects(plan)]
     assert kinds == sorted(kinds, key=[k.kind for k in MANAGED_KINDS].index)  # apply order
@@ -389,10 +391,14 @@ def test_every_managed_kind_can_be_applied_and_the_chart_grants_it() -> None:
     from kubernetes import client
 
     helpers = (Path(__file__).resolve().parents[2] / "charts/disagg/templates/_helpers.tpl").read_text()
-    block = re.search(r'define "disagg.rbacRules" -}}\n(.*?)\n{{- end -}}', helpers, re.S)
-    assert block is not None
-    granted = {(g, r): set(rule["verbs"]) for rule in yaml.safe_load(block.group(1))
+    def rules(name: str) -> list[dict[str, Any]]:
+        block = re.search(f'define "disagg.{name}" -}}}}\n(.*?)\n{{{{- end -}}}}', helpers, re.S)
+        assert block is not None, name
+        return yaml.safe_load(block.group(1))
+    # rbacRules: coreRules, plus monitorRules and plannerRules when their values are on (the defaults).
+    granted = {(g, r): set(rule["verbs"]) for rule in [*rules("coreRules"), *rules("monitorRules")]
                for g in rule["apiGroups"] for r in rule["resources"]}
+    assert rules("plannerRules") == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["patch"]}]
     for kind in MANAGED_KINDS:
         group = kind.api_version.rpartition("/")[0]
         if kind.create_only:  # created once and never read back: create and nothing else

@@ -136,7 +136,8 @@ def test_sidecar_config_names_the_services() -> None:
     assert config["derender"] == {"mode": "remote", "urls": ["http://qwen3-8b-derender.prod.svc:8200"]}
     assert config["prefill"] == {
         "mode": "remote",
-        "discovery": {"kind": "endpointslices", "namespace": "prod", "service": "qwen3-8b-prefill",
+        # The prefill pods of decode's own KV revision (tests/operator/test_pairing.py).
+        "discovery": {"kind": "endpointslices", "namespace": "prod", "service": f"qwen3-8b-kv{plan.kv_revision[:6]}",
                       "port": 8200, "port_name": "engine"},
         "selection": "least-requests", "affinity_block_tokens": 16, "trust_prefiller_header": False,
         "failure_policy": "fallback",

@@ -62,6 +62,30 @@ annotations and its status subresource; kopf.info/warn post core/v1 Events) and 
 No Secrets, no pods, no cluster-scoped objects.
 */}}
 {{- define "disagg.rbacRules" -}}
+{{- include "disagg.coreRules" . }}
+{{- if .Values.metrics.podMonitors.enabled }}
+{{ include "disagg.monitorRules" . }}
+{{- end }}
+{{- if .Values.planner.enabled }}
+{{ include "disagg.plannerRules" . }}
+{{- end }}
+{{- end -}}
+
+{{/* PodMonitors of the models (objects/monitors.py), as every other child kind. */}}
+{{- define "disagg.monitorRules" -}}
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+{{- end -}}
+
+{{/* The planner (planner.py) sets replica counts through the scale subresource and nothing else. */}}
+{{- define "disagg.plannerRules" -}}
+- apiGroups: ["apps"]
+  resources: ["deployments/scale"]
+  verbs: ["patch"]
+{{- end -}}
+
+{{- define "disagg.coreRules" -}}
 - apiGroups: ["disagg.dev"]
   resources: ["disaggregatedmodels"]
   verbs: ["get", "list", "watch", "patch"]

@@ -14,6 +14,7 @@ from disagg_operator.objects.configmaps import config_map
 from disagg_operator.objects.deployments import deployment
 from disagg_operator.objects.disruption import disruption_budgets
 from disagg_operator.objects.inference_pool import inference_pools
+from disagg_operator.objects.monitors import pod_monitors
 from disagg_operator.objects.network import network_policies
 from disagg_operator.objects.rbac import rbac
 from disagg_operator.objects.secrets import engine_api_key_secrets
@@ -32,6 +33,7 @@ def build_objects(plan: Plan, owner: dict[str, Any] | None = None) -> list[dict[
         *autoscalers(plan, owner),
         *disruption_budgets(plan, owner),
         *inference_pools(plan, owner),
+        *pod_monitors(plan, owner),
     ]
     return sorted(objects, key=lambda o: APPLY_ORDER[o["kind"]])
 

@@ -175,9 +175,12 @@ def _volumes(plan: Plan, pool: PoolPlan) -> list[dict[str, Any]]:
     return volumes
 
 
-def _strategy(pool: PoolPlan) -> dict[str, Any]:
+def _strategy(plan: Plan, pool: PoolPlan) -> dict[str, Any]:
     # GPU pools that can spare a pod roll without asking for an extra GPU; the rest surge by one.
     floor = pool.autoscaling.min_replicas if pool.autoscaling else pool.replicas
+    if pool.planned and plan.spec.autoscaling is not None:
+        bounds = plan.spec.autoscaling.prefill if pool.role == Role.PREFILL else plan.spec.autoscaling.decode
+        floor = bounds.min_replicas
     if pool.gpu and floor >= 2:
         rolling = {"maxSurge": 0, "maxUnavailable": 1}
     else:
@@ -206,14 +209,17 @@ def deployment(plan: Plan, pool: PoolPlan, owner: dict[str, Any] | None = None) 
     if pool.affinity:
         pod["affinity"] = dict(pool.affinity)
 
-    spec: dict[str, Any] = {"replicas": pool.replicas} if pool.autoscaling is None else {}  # else the HPA owns it
+    # An HPA or the planner (spec.autoscaling) owns the count of an autoscaled pool.
+    spec: dict[str, Any] = {} if pool.external_replicas else {"replicas": pool.replicas}
     spec |= {
         "selector": {"matchLabels": names.selector(plan.name, pool.role)},
         "revisionHistoryLimit": 3,
-        "strategy": _strategy(pool),
+        "strategy": _strategy(plan, pool),
         "template": {
             "metadata": {
-                "labels": {**names.labels(plan.name, pool.role), **dict(pool.pod_labels)},
+                "labels": {**names.labels(plan.name, pool.role), **dict(pool.pod_labels), names.REVISION: pool.config_hash,
+                           **({names.KV_REVISION: plan.kv_revision}
+                              if plan.kv_revision and pool.role in (Role.PREFILL, Role.DECODE) else {})},
                 "annotations": {names.CONFIG_HASH: pool.config_hash},
             },
             "spec": pod,

@@ -38,6 +38,12 @@ def services(plan: Plan, owner: dict[str, Any] | None = None) -> list[dict[str, 
         # Headless: the sidecar picks a prefill pod itself (EndpointSlices), never a kube-proxy VIP.
         out.append(_service(plan, names.pool_service(plan.name, Role.PREFILL), Role.PREFILL, Role.PREFILL,
                             ports, owner, clusterIP="None"))
+        if plan.kv_revision is not None:  # what the sidecars discover: the prefill pods of their KV revision
+            revision = _service(plan, names.prefill_revision_service(plan.name, plan.kv_revision), Role.PREFILL,
+                                Role.PREFILL, ports, owner, clusterIP="None")
+            revision["spec"]["selector"][names.KV_REVISION] = plan.kv_revision
+            revision["metadata"]["labels"][names.KV_REVISION] = plan.kv_revision
+            out.append(revision)
     if plan.render_tier:
         out.append(_service(plan, names.pool_service(plan.name, Role.RENDER), Role.RENDER, Role.RENDER,
                             [_engine_port(plan)], owner))
