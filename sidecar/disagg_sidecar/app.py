@@ -200,7 +200,7 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     kv = get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector else None
     app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv),
-                       Decoder(config, upstream, app[METRICS]), state.capabilities, state.model_name)
+                       Decoder(config, upstream, app[METRICS]), state.model_name)
     await _probe(app)
     prober = asyncio.create_task(_probe_forever(app))
     try:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from disagg_sidecar.plan import legs
+from disagg_sidecar.plan.request import Answer
 from disagg_sidecar.derender import shapes
 from disagg_sidecar import sse
 from disagg_sidecar import wire
@@ -43,7 +44,7 @@ LOGPROB_CONTEXT = 4  # sampled ids vLLM's repair of byte-fallback logprob tokens
 
 @dataclass(frozen=True)
 class Options:
-    """What of the client's request the chained path needs."""
+    """What of the client's request the chained path needs: the plan's ``Answer`` for one prompt."""
 
     model: str | None
     prompt_token_ids: list[int]
@@ -55,14 +56,15 @@ class Options:
     completion_logprobs: int | None = None  # a completions client's `logprobs` (k)
 
     @classmethod
+    def planned(cls, answer: Answer, gen: Mapping[str, Any]) -> Options:
+        return cls(model=answer.model, prompt_token_ids=list(gen[wire.TOKEN_IDS]),
+                   sampling=gen.get(wire.SAMPLING_PARAMS) or {}, top_logprobs=answer.top_logprobs,
+                   hide_metadata=answer.hide_metadata, parallel_tool_calls=answer.parallel_tool_calls,
+                   return_token_ids=answer.return_token_ids, completion_logprobs=answer.completion_logprobs)
+
+    @classmethod
     def of(cls, body: Mapping[str, Any], gen: Mapping[str, Any]) -> Options:
-        logprobs = body.get("logprobs")
-        return cls(model=body.get("model"), prompt_token_ids=list(gen[wire.TOKEN_IDS]),
-                   sampling=gen.get(wire.SAMPLING_PARAMS) or {}, top_logprobs=int(body.get("top_logprobs") or 0),
-                   hide_metadata=body.get("include_reasoning") is False,
-                   parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-                   return_token_ids=bool(body.get("return_token_ids")),
-                   completion_logprobs=logprobs if type(logprobs) is int else None)
+        return cls.planned(Answer.of(body), gen)
 
     @property
     def has_stop(self) -> bool:

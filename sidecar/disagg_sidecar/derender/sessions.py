@@ -12,8 +12,8 @@ spare its API process and the sidecar events) or several chunks queued behind a 
 go out in one write): vLLM's streaming tool parsers answer several tokens in one delta
 differently from the same tokens one by one, and coupled sends a delta per token.
 
-Only a derender tier that may offer sessions is asked (``engine.derender_sessions``, which the
-operator sets from the spec). If the session cannot be opened (no endpoint offers sessions, the
+Only a derender tier that may offer sessions is asked (the plan's ``sessions``: ``engine.derender_sessions``,
+which the operator sets from the spec). If the session cannot be opened (no endpoint offers sessions, the
 cap is reached) the stream takes today's stateless path (``stream.ChainedDerender``) from its
 start. If it fails mid-stream, each unfinished choice continues statelessly on another endpoint:
 one stateless call replays the lines the session had answered (``fed``; its output was delivered
@@ -261,10 +261,10 @@ class SessionDerender:
 Stateless = Callable[[stream.Emit], stream.ChainedDerender]
 
 
-def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: stream.Emit,
+def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: stream.Emit, sessions: bool,
                    stateless: Stateless) -> Any:
-    """The chained stream's derender: a session where the derender tier may offer them, else the
-    stateless one."""
-    if isinstance(stream_call, (chained.ChatStream, chained.CompletionStream)) and up.config.engine.derender_sessions:
+    """The chained stream's derender: a session where the plan says the derender tier may offer
+    them (``RequestPlan.sessions``), else the stateless one."""
+    if isinstance(stream_call, (chained.ChatStream, chained.CompletionStream)) and sessions:
         return SessionDerender(up, stream_call, emit, stateless)
     return stateless(emit)

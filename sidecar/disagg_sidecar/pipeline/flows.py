@@ -1,6 +1,7 @@
 """One request through the legs: render -> prefill -> decode (-> derender) -> the client.
 
-The decisions come from ``decisions`` (output mode, prefill route), the bodies from ``legs``, the
+The decisions come from the request's plan (``plan.request``: output mode, what needs the chain,
+derender strategy, logprobs) and ``decisions`` (prefill route), the bodies from ``legs``, the
 shapes from ``shapes``; the legs are called by ``poollegs`` (render, derender, prefill) and
 ``decoding`` (decode, with its refusal rule), and a stream's failure after the first byte is
 ``clientstream``'s. This module sequences them:
@@ -24,14 +25,13 @@ from typing import Any
 from aiohttp import web
 
 from disagg_sidecar.derender import chained
-from disagg_sidecar.derender import fixes
 from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
-from disagg_sidecar.plan import requestlimits
+from disagg_sidecar.plan.request import RequestPlan
 from disagg_sidecar.derender import shapes
 from disagg_sidecar import wire
 from disagg_sidecar.pipeline.clientstream import SSEWriter, run_stream
-from disagg_sidecar.config import Capabilities, SidecarConfig
+from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.pipeline.decoding import Decoder
 from disagg_sidecar.pipeline.poollegs import PoolLegs, Prefilled
@@ -43,41 +43,34 @@ class Flows:
     config: SidecarConfig
     pools: PoolLegs
     decoder: Decoder
-    capabilities: Callable[[], Capabilities]  # what the decode engine may be asked for now
     model_name: Callable[[], str | None]
 
-    def _shape(self, body: Mapping[str, Any], gen: Mapping[str, Any], prefilled: Prefilled, created: int,
+    def _shape(self, plan: RequestPlan, gen: Mapping[str, Any], prefilled: Prefilled, created: int,
                response_id: str, index_offset: int = 0) -> shapes.Shape:
+        answer = plan.answer
         return shapes.Shape(
-            id=response_id, created=created, model=self.model_name() or body.get("model"),
+            id=response_id, created=created, model=self.model_name() or answer.model,
             prompt_tokens=len(gen[wire.TOKEN_IDS]),
             cached_tokens=prefilled.cached_tokens,
-            return_token_ids=bool(body.get("return_token_ids")), tool_choice=body.get("tool_choice"),
-            derive_finish_reason=not self.config.engine.features.derender_finish_reason, index_offset=index_offset,
+            return_token_ids=answer.return_token_ids, tool_choice=answer.tool_choice,
+            derive_finish_reason=plan.derive_finish_reason, index_offset=index_offset,
         )
-
-    def _checked(self, gen: dict[str, Any]) -> dict[str, Any]:
-        """A GenerateRequest within the client's logprob limit (render does not check it; the engines
-        would, but run with one candidate more)."""
-        requestlimits.check_logprobs(gen.get(wire.SAMPLING_PARAMS), self.config.limits.max_logprobs)
-        return gen
 
     # -- chat --------------------------------------------------------------------------------------
 
-    async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
+    async def chat(self, request: web.Request, raw: bytes, plan: RequestPlan, ctx: Context) -> web.StreamResponse:
         created = int(time.time())
-        decode_plan = decisions.decode_plan("chat", body, self.capabilities())
-        gen = self._checked(legs.rendered(await self.pools.call("render", wire.CHAT_RENDER, raw, ctx)))
-        decode_plan = decisions.fit_to_render(decode_plan, gen)
+        gen = plan.prompt_leg(await self.pools.call("render", wire.CHAT_RENDER, raw, ctx))
+        plan = plan.fitted(gen)
         prefilled = await self.pools.prefill(gen, ctx)
         kv = prefilled.kv
-        shape = self._shape(body, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")
+        shape = self._shape(plan, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")
         derender = legs.DerenderLeg("chat", raw, gen[wire.TOKEN_IDS])
-        opts = chained.Options.of(body, gen)
+        opts = chained.Options.planned(plan.answer, gen)
         tier = self.pools.tier(ctx)
-        if not body.get("stream"):
-            out = await self.decoder.batch(gen, kv, decode_plan, ctx, raw)
-            if decisions.answered_mode(out) == "tokens":
+        if not plan.stream:
+            out = await self.decoder.batch(gen, kv, plan, ctx, raw)
+            if plan.chains(decisions.answered_mode(out)):
                 result = await chained.chat_batch(out, derender, opts, shape, tier)
             else:
                 result = shapes.chat_from_generate(out, shape, gen[wire.TOKEN_IDS])
@@ -86,8 +79,8 @@ class Flows:
         first: set[int] = set()
 
         async def run() -> None:
-            stream_call = chained.ChatStream(derender, opts, tier, logprobs=bool(body.get("logprobs")))
-            usage = await self.decoder.stream(gen, kv, decode_plan, ctx, stream_call, raw, writer,
+            stream_call = chained.ChatStream(derender, opts, tier, logprobs=plan.answer.stream_logprobs)
+            usage = await self.decoder.stream(gen, kv, plan, ctx, stream_call, raw, writer,
                                               lambda chunk: shapes.chat_chunk(chunk, shape, first=first))
             if usage is not None:
                 await writer.send(shapes.usage_chunk("chat.completion.chunk", shape, shape.usage(usage)))
@@ -96,31 +89,28 @@ class Flows:
 
     # -- completions -------------------------------------------------------------------------------
 
-    async def completions(self, request: web.Request, raw: bytes, body: dict[str, Any],
+    async def completions(self, request: web.Request, raw: bytes, plan: RequestPlan,
                           ctx: Context) -> web.StreamResponse:
         created = int(time.time())
-        decode_plan = decisions.decode_plan("completions", body, self.capabilities())
-        gens = [fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
-                for g in await self.pools.call("render", wire.COMPLETIONS_RENDER, raw, ctx)]
-        n = int(body.get("n") or 1)
+        gens = [plan.prompt_leg(g) for g in await self.pools.call("render", wire.COMPLETIONS_RENDER, raw, ctx)]
         response_id = f"cmpl-{ctx.request_id}"
         tier = self.pools.tier(ctx)
 
         def shape(i: int, prefilled: Prefilled) -> shapes.Shape:
-            return self._shape(body, gens[i], prefilled, created, response_id, index_offset=i * n)
+            return self._shape(plan, gens[i], prefilled, created, response_id, index_offset=i * plan.n)
 
         def derender(gen: Mapping[str, Any]) -> legs.DerenderLeg:
             return legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS])
 
         async def one(i: int, gen: Mapping[str, Any]) -> tuple[list[dict[str, Any]], Any]:
             prefilled = await self.pools.prefill(gen, ctx)
-            out = await self.decoder.batch(gen, prefilled.kv, decode_plan, ctx, None)
-            if decisions.answered_mode(out) != "text":
-                out = await chained.completion_batch(out, derender(gen), chained.Options.of(body, gen), tier)
+            out = await self.decoder.batch(gen, prefilled.kv, plan, ctx, None)
+            if plan.chains(decisions.answered_mode(out)):
+                out = await chained.completion_batch(out, derender(gen), chained.Options.planned(plan.answer, gen), tier)
             s = shape(i, prefilled)
             return shapes.completion_choices(out, s, gen[wire.TOKEN_IDS]), s.usage(out.get("usage"))
 
-        if not body.get("stream"):
+        if not plan.stream:
             parts = await _gather(*(one(i, g) for i, g in enumerate(gens)))
             choices = [c for part, _ in parts for c in part]
             result = shapes.completion_response(choices, total_usage(u for _, u in parts), shape(0, Prefilled()))
@@ -132,8 +122,8 @@ class Flows:
         writer = SSEWriter(request, ctx.response_headers())
 
         async def stream_one(i: int, gen: Mapping[str, Any]) -> Any:
-            stream_call = chained.CompletionStream(derender(gen), chained.Options.of(body, gen), tier)
-            usage = await self.decoder.stream(gen, prefilled[i].kv, decode_plan, ctx, stream_call, None, writer,
+            stream_call = chained.CompletionStream(derender(gen), chained.Options.planned(plan.answer, gen), tier)
+            usage = await self.decoder.stream(gen, prefilled[i].kv, plan, ctx, stream_call, None, writer,
                                               lambda chunk: shapes.completion_chunk(chunk, prompt_shapes[i]))
             return prompt_shapes[i].usage(usage) if usage is not None else None
 
@@ -146,10 +136,11 @@ class Flows:
 
     # -- GenerateRequest clients -------------------------------------------------------------------
 
-    async def generate(self, request: web.Request, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
+    async def generate(self, request: web.Request, body: dict[str, Any], plan: RequestPlan,
+                       ctx: Context) -> web.StreamResponse:
         """The client's own GenerateRequest: prefill leg rewritten, decode answer passed through."""
-        self._checked(body)
-        return await self.decoder.passthrough(request, body, (await self.pools.prefill(body, ctx)).kv, ctx)
+        body = plan.prompt_leg(body)
+        return await self.decoder.passthrough(request, body, plan, (await self.pools.prefill(body, ctx)).kv, ctx)
 
 
 def _dumps(obj: Any) -> str:
