@@ -13,6 +13,7 @@ from disagg_sidecar.config import Capabilities, Decode, Engine, Limits, SidecarC
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.plan.decisions import DecodePlan
 from disagg_sidecar.plan.request import Answer, RequestPlan, plan_request
+from disagg_sidecar.plan.stops import Stops
 
 ALL = ("tokens", "text", "derender")
 EXT = Capabilities(output_modes=ALL, streaming_output_modes=ALL)
@@ -100,3 +101,14 @@ def test_a_prompts_leg_is_checked_and_gets_its_logprob_candidates() -> None:
         with pytest.raises(SidecarError) as err:
             plan.prompt_leg({"token_ids": [1], "sampling_params": {"logprobs": 6}})
         assert "greater than max allowed: 5" in err.value.message
+
+
+@pytest.mark.parametrize("sampling, expected, hold", [
+    (None, Stops(), False),
+    ({"stop": [], "min_tokens": None}, Stops(), False),
+    ({"stop": ["\n"], "include_stop_str_in_output": True, "min_tokens": 3}, Stops(True, True, 3), True),
+    ({"stop_token_ids": [7]}, Stops(), False),  # stop tokens are ids: no text to cut, nothing held
+])
+def test_stop_handling_comes_from_renders_sampling_params(sampling: dict | None, expected: Stops, hold: bool) -> None:
+    stops = Stops.of(sampling)
+    assert stops == expected and stops.hold is hold and stops.detokenize is hold

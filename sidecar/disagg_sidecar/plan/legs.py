@@ -15,6 +15,7 @@ from typing import Any
 
 from disagg_sidecar import wire
 from disagg_sidecar.connectors import KVConnector
+from disagg_sidecar.plan import stops
 from disagg_sidecar.plan.decisions import answered_mode
 from disagg_sidecar.sse import dumps
 
@@ -23,7 +24,7 @@ _PREFILL_DROP = (wire.CHAT_REQUEST, wire.PARSE_CONTEXT, "stream_options", "retur
 _PREFILL_SAMPLING_DROP = ("min_tokens", "logprobs", "prompt_logprobs")
 # Need a tokenizer, which a --tokens-only pool lacks (400 or a failed grammar); the one token a
 # prefill leg samples is thrown away, so dropping them changes nothing the client sees.
-_TOKENS_ONLY_SAMPLING_DROP = ("stop", "bad_words", "structured_outputs")
+_TOKENS_ONLY_SAMPLING_DROP = (stops.STOP, "bad_words", "structured_outputs")
 
 
 def _sampling_without_client_kv(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -90,14 +91,14 @@ def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | 
                 context: wire.ContextForm | None, chat_raw: bytes | None, stream_interval: int = 1) -> bytes:
     """The decode leg of an OpenAI request, serialised; with ``derender``, the parser context is
     the client's request (spliced in as its own bytes) or render's ``parse_context``. A ``tokens``
-    leg without stop strings is not detokenized: the derender tier makes the text, and the decode
-    engine's detokenizer would only cost its API process CPU per token (stop strings need it).
+    leg is detokenized only where its stop strings need it (``stops.Stops.detokenize``): the derender
+    tier makes the text, and the decode engine's detokenizer would only cost its API process CPU per token.
     A streamed ``tokens`` leg sends at least ``stream_interval`` tokens per chunk (vLLM's
     ``SamplingParams.stream_interval``; the first token and the end at once)."""
     slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
     leg = decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim)
     sampling = leg[wire.SAMPLING_PARAMS]
-    if mode == "tokens" and not sampling.get("stop"):
+    if mode == "tokens" and not stops.Stops.of(sampling).detokenize:
         sampling["detokenize"] = False
     if mode == "tokens" and leg.get("stream") and stream_interval > 1:
         asked = sampling.get("stream_interval")
@@ -155,7 +156,7 @@ def parser_context(client_body: bytes, chain: str) -> bytes:
     body = json.loads(client_body)
     if not isinstance(body, dict):
         return client_body
-    body.pop("stop", None)
+    stops.without_stop_strings(body)
     keep_text = body.get("echo") or body.get("continue_final_message")
     if chain == "chat" and isinstance(body.get("messages"), list) and not keep_text:
         body["messages"] = [{**{k: m[k] for k in _MESSAGE_SKELETON if k in m}, "content": ""}
