@@ -69,6 +69,11 @@ class Options:
     def of(cls, body: Mapping[str, Any], gen: Mapping[str, Any]) -> Options:
         return cls.planned(Answer.of(body), gen)
 
+    def cut(self, logprobs: Any) -> Any:
+        """Chat logprobs with each position's candidates cut to the client's ``top_logprobs``: what
+        goes to the derender tier, and what the client gets (the one place they are cut)."""
+        return trim_top_logprobs(logprobs, self.top_logprobs)
+
 
 # -- pure pieces ---------------------------------------------------------------------------------
 
@@ -99,7 +104,7 @@ def chat_ready(gen: Mapping[str, Any], opts: Options) -> dict[str, Any]:
     (sampled token first), so this changes nothing derender returns; it keeps vLLM 0.33's derender
     from refusing the k + 1 candidates its generate reports (more than ``max_logprobs``)."""
     ready = generate_for_derender(gen, opts.stops.include)
-    ready["choices"] = [{**c, "logprobs": trim_top_logprobs(c["logprobs"], opts.top_logprobs)} if c.get("logprobs") else c
+    ready["choices"] = [{**c, "logprobs": opts.cut(c["logprobs"])} if c.get("logprobs") else c
                         for c in ready.get("choices") or []]
     return ready
 
@@ -160,7 +165,7 @@ async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Option
     result["prompt_token_ids"] = opts.prompt_token_ids if shape.return_token_ids else None
     for choice in result["choices"]:
         # include_reasoning false: coupled shows no per-token data that could reveal the reasoning
-        choice["logprobs"] = None if opts.hide_metadata else trim_top_logprobs(choice.get("logprobs"), opts.top_logprobs)
+        choice["logprobs"] = None if opts.hide_metadata else opts.cut(choice.get("logprobs"))
         calls = choice["message"].get("tool_calls")
         if calls and not opts.parallel_tool_calls:
             choice["message"]["tool_calls"] = calls[:1]
@@ -208,9 +213,8 @@ class ChatStream:
             if self.opts.stops.strings and state is None and cut_by_stop_string(sent):
                 sent["token_ids"] = (await cut_token_ids([sent], self.opts, self.tier))[0]
             ready = {**ready, "choices": [sent]}
-        # Every entry, the stop token's too (coupled streams it), cut like ``chat_ready``.
-        logprobs = trim_top_logprobs(gen_choice.get("logprobs"), self.opts.top_logprobs) if self.logprobs else None
-        entries = (logprobs or {}).get("content")
+        # Every entry, the stop token's too (coupled streams it), cut by ``chat_ready``.
+        entries = ((choices[0].get("logprobs") if choices else None) or {}).get("content") if self.logprobs else None
         context = list((state or {}).get("output_token_ids") or [])[-LOGPROB_CONTEXT:]
         derendered, resolved = await asyncio.gather(
             self.tier("derender", self.leg.path, self.leg.stream(ready, state), "stream"),
@@ -220,18 +224,17 @@ class ChatStream:
             c["finish_reason"] = stream_finish_reason(c.get("finish_reason"), gen_choice.get("finish_reason"))
             if c.get("token_ids") is not None:
                 c["token_ids"] = gen_choice.get("token_ids") or []
-            if c.get("logprobs") is not None:  # a render tier without parsers resolves them itself
-                c["logprobs"] = trim_top_logprobs(c["logprobs"], self.opts.top_logprobs)
-            elif resolved is not None:
-                c["logprobs"] = resolved
+            # A render tier without parsers resolves them itself.
+            logprobs = c["logprobs"] if c.get("logprobs") is not None else resolved
+            if logprobs is not None:
+                c["logprobs"] = self.opts.cut(logprobs)
         if self.opts.return_token_ids and state is None and choices:
             out["prompt_token_ids"] = self.opts.prompt_token_ids  # coupled: with a choice's first chunk
         return out, derendered["stream_state"]
 
     async def _resolve(self, entries: list[Mapping[str, Any]], context: list[int]) -> dict[str, Any]:
         resp = await self.tier("derender", self.leg.path, self.leg.batch(logprob_body(entries, context)), "logprobs")
-        content = resp["choices"][0]["logprobs"]["content"][len(context):]
-        return trim_top_logprobs({"content": content}, self.opts.top_logprobs)
+        return {"content": resp["choices"][0]["logprobs"]["content"][len(context):]}
 
 
 class CompletionStream:

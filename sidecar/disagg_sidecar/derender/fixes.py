@@ -20,6 +20,8 @@ from typing import Any
 from disagg_sidecar import wire
 # The stop-token part is ``stops``' (the harness and the tests use it from here too).
 from disagg_sidecar.plan.stops import ended_on_stop_token, generate_for_derender, without_stop_token  # noqa: F401
+# The decode leg's candidates are the plan's (``RequestPlan.prompt_leg``).
+from disagg_sidecar.plan.request import with_candidate_headroom  # noqa: F401
 
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
 
@@ -65,23 +67,6 @@ def trim_top_logprobs(logprobs: Any, k: int) -> Any:
         return logprobs
     return {**logprobs, "content": [{**e, "top_logprobs": (e.get("top_logprobs") or [])[:k]}
                                     for e in logprobs["content"]]}
-
-
-def with_candidate_headroom(gen: Mapping[str, Any], engine_max: int) -> dict[str, Any]:
-    """Render's answer for a completions prompt, asking the decode engine for one logprob candidate
-    more than the client's k while that stays within the engines' ``--max-logprobs`` (``engine_max``,
-    -1: any; the operator runs them with one more than clients may ask for).
-
-    Coupled ``/v1/completions`` shows the sampled token and the top k: k + 1 candidates, or k when
-    the sampled token is among the top k. vLLM 0.32's generate keeps only the first k candidates it
-    was asked for (the sampled token first), so it is asked for k + 1 and ``completion_candidates``
-    makes coupled's cut; on 0.33, which keeps them all, the same cut changes nothing.
-    """
-    sp = gen.get(wire.SAMPLING_PARAMS)
-    k = sp.get("logprobs") if isinstance(sp, Mapping) else None
-    if type(k) is not int or k < 0 or (engine_max >= 0 and k >= engine_max):
-        return dict(gen)
-    return {**gen, wire.SAMPLING_PARAMS: {**sp, "logprobs": k + 1}}
 
 
 def completion_candidates(gen: Mapping[str, Any], k: int | None) -> dict[str, Any]:

@@ -82,7 +82,7 @@ class RequestPlan:
         """Render's answer (or a GenerateRequest client's) as the legs' ``GenerateRequest``: within
         the client's logprob limit (render does not check it; the engines would, but run with one
         candidate more) and, for completions, asking the decode engine for one candidate more
-        (``fixes.with_candidate_headroom``'s rule)."""
+        (``with_candidate_headroom``)."""
         requestlimits.check_logprobs(gen.get(wire.SAMPLING_PARAMS), self.max_logprobs)
         if self.api == "generate":
             return dict(gen)
