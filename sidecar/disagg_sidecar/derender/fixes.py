@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from disagg_sidecar import wire
 # The stop-token part is ``stops``' (the harness and the tests use it from here too).
 from disagg_sidecar.plan.stops import ended_on_stop_token, generate_for_derender, without_stop_token  # noqa: F401
 # The decode leg's candidates are the plan's (``RequestPlan.prompt_leg``).

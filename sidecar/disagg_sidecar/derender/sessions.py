@@ -28,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -43,8 +41,6 @@ from disagg_sidecar.upstream.client import Upstream
 
 log = logging.getLogger(__name__)
 
-CAPABILITY_TTL_SECONDS = 30.0  # how long an endpoint's answer (sessions or not) is trusted
-_cache: weakref.WeakKeyDictionary[Upstream, dict[str, tuple[float, Any]]] = weakref.WeakKeyDictionary()
 
 
 class SessionFailed(Exception):
@@ -101,21 +97,12 @@ def without_role(chunk: dict[str, Any], started: set[int]) -> dict[str, Any]:
 
 
 async def endpoint_with_sessions(up: Upstream, api: Api) -> tuple[str, str] | None:
-    """A derender endpoint that runs ``api`` sessions and its session path (asked once per TTL)."""
-    known = _cache.setdefault(up, {})
-    now = time.monotonic()
+    """A derender endpoint that runs ``api`` sessions and its session path (``Upstream`` asks each
+    endpoint once per TTL)."""
     tried: list[str] = []
     while (url := up.pools["derender"].pick(exclude=tried)) is not None:
         tried.append(url)
-        at, capabilities = known.get(url, (-1e9, None))
-        if now - at > CAPABILITY_TTL_SECONDS:
-            try:
-                status, body = await up.get_json(url, wire.CAPABILITIES)
-                capabilities = json.loads(body) if status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                capabilities = None
-            known[url] = (now, capabilities)
-        if path := session_path(capabilities, api):
+        if path := session_path(await up.endpoint_capabilities(url), api):
             return url, path
     return None
 
@@ -180,10 +167,7 @@ class SessionDerender:
             await self._resume()
 
     async def _session(self, url: str) -> None:
-        timeout = aiohttp.ClientTimeout(sock_connect=self.up.config.timeouts.connect_seconds,
-                                        sock_read=self.up.config.timeouts.decode_seconds)
-        headers = {"Content-Type": "application/x-ndjson", wire.REQUEST_ID: self.request_id}
-        async with self.up.session.post(url, data=self._body(), headers=headers, timeout=timeout) as resp:
+        async with self.up.session_stream(url, self._body(), {wire.REQUEST_ID: self.request_id}) as resp:
             if resp.status != 200:
                 raise SessionFailed(f"status {resp.status}: {(await resp.read())[:300]!r}")
             await self._relay(resp.content)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -38,6 +38,19 @@ from disagg_sidecar.upstream.client import LegError, Upstream, chunks
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass
+class DecodeAnswers:
+    """Counts of decode answers, kept by the sidecar itself: 5xx answers (``Decoder.error``) and
+    requests answered 200 (``app``); readiness's serving check compares them between probes."""
+
+    errors: float = 0
+    successes: float = 0
+
+    def suspect_since(self, before: DecodeAnswers) -> bool:
+        """New 5xx answers and no success since ``before``: the engine may be failing everything."""
+        return self.errors > before.errors and self.successes == before.successes
 
 
 @dataclass
@@ -66,6 +79,7 @@ class Decoder:
     config: SidecarConfig
     up: Upstream
     metrics: Metrics
+    answers: DecodeAnswers = field(default_factory=DecodeAnswers)
 
     async def call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
                    ctx: Context, chat_raw: bytes | None, read: Read[T]) -> T:
@@ -97,6 +111,7 @@ class Decoder:
         if status < 500:
             return SidecarError.upstream(status, raw, "decode")
         self.metrics.leg_errors.labels("decode", "status").inc()
+        self.answers.errors += 1
         return leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
 
     async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
