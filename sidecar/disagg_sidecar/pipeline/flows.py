@@ -16,7 +16,6 @@ shapes from ``shapes``; the legs are called by ``poollegs`` (render, derender, p
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar.plan.request import RequestPlan
 from disagg_sidecar.derender import shapes
+from disagg_sidecar import sse
 from disagg_sidecar import wire
 from disagg_sidecar.pipeline.clientstream import SSEWriter, run_stream
 from disagg_sidecar.config import SidecarConfig
@@ -74,7 +74,7 @@ class Flows:
                 result = await chained.chat_batch(out, derender, opts, shape, tier)
             else:
                 result = shapes.chat_from_generate(out, shape, gen[wire.TOKEN_IDS])
-            return web.json_response(result, headers=ctx.response_headers(), dumps=_dumps)
+            return web.json_response(result, headers=ctx.response_headers(), dumps=sse.dumps_text)
         writer = SSEWriter(request, ctx.response_headers())
         first: set[int] = set()
 
@@ -114,7 +114,7 @@ class Flows:
             parts = await _gather(*(one(i, g) for i, g in enumerate(gens)))
             choices = [c for part, _ in parts for c in part]
             result = shapes.completion_response(choices, total_usage(u for _, u in parts), shape(0, Prefilled()))
-            return web.json_response(result, headers=ctx.response_headers(), dumps=_dumps)
+            return web.json_response(result, headers=ctx.response_headers(), dumps=sse.dumps_text)
 
         # Prefill every prompt before the first byte, so the response headers can say how.
         prefilled = await _gather(*(self.pools.prefill(g, ctx) for g in gens))
@@ -141,10 +141,6 @@ class Flows:
         """The client's own GenerateRequest: prefill leg rewritten, decode answer passed through."""
         body = plan.prompt_leg(body)
         return await self.decoder.passthrough(request, body, plan, (await self.pools.prefill(body, ctx)).kv, ctx)
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 async def _gather(*aws: Awaitable[Any]) -> list[Any]:

@@ -134,10 +134,6 @@ def engine_request_id(request_id: str) -> str:
     return wire.GENERATE_ID_PREFIX + request_id
 
 
-def _json(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
 _MESSAGE_SKELETON = ("role", "name", "tool_calls", "tool_call_id")
 
 
@@ -163,7 +159,7 @@ def parser_context(client_body: bytes, chain: str) -> bytes:
                             if isinstance(m, dict) else m for m in body["messages"]]
     elif chain == "completions" and not keep_text and "prompt" in body:
         body["prompt"] = "-"
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return dumps(body)
 
 
 class DerenderLeg:
@@ -179,8 +175,8 @@ class DerenderLeg:
         self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
         client_body = self.context = parser_context(client_body, chain)
         n = len(prompt_token_ids)
-        ids = _json(prompt_token_ids)
-        model_part = b'"model":' + _json(model) + b"," if model else b""
+        ids = dumps(prompt_token_ids)
+        model_part = b'"model":' + dumps(model) + b"," if model else b""
         if chain == "chat":
             self._batch_tail = b',"prompt_tokens":%d,"prompt_token_ids":%s,"chat_request":%s}' % (n, ids, client_body)
             self._stream_tail = self._batch_tail
@@ -195,5 +191,5 @@ class DerenderLeg:
         return b"{" + self._model + key + generate_response + self._batch_tail
 
     def stream(self, generate_chunk: Mapping[str, Any], stream_state: Any) -> bytes:
-        return (b'{"stream":true,' + self._model + b'"generate_chunk":' + _json(generate_chunk)
-                + b',"stream_state":' + _json(stream_state) + self._stream_tail)
+        return (b'{"stream":true,' + self._model + b'"generate_chunk":' + dumps(generate_chunk)
+                + b',"stream_state":' + dumps(stream_state) + self._stream_tail)
