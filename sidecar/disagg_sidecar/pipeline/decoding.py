@@ -87,23 +87,27 @@ class Decoder:
         ``read`` returned. A fallback (refused, or answered in another mode) is counted here."""
         modes = Modes(plan.decode.mode, plan.decode.mode)
         try:
-            while True:
-                self.metrics.output_modes.labels(modes.asked).inc()
-                try:
-                    body = legs.decode_body(gen, kv, modes.asked, plan.decode.context, chat_raw, plan.stream_interval)
-                    async with self.up.decode(body, ctx.headers, ctx.inflight) as resp:
-                        if resp.status == 200:
-                            return await read(resp, modes)
-                        status, raw = resp.status, await resp.read()
-                except LegError as exc:
-                    raise leg_failure(exc) from exc
-                if not decisions.retry_as_tokens(status, modes.asked, plan.decode):
-                    raise self.error(status, raw)
-                log.warning("decode engine rejected output_mode=%s, chaining instead: %s", modes.asked, raw[:300])
-                modes.asked = "tokens"
+            return await self._call(gen, kv, plan, ctx, chat_raw, read, modes)
         finally:
             if modes.fell_back:
                 self.metrics.mode_fallbacks.labels(modes.planned).inc()
+
+    async def _call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
+                    ctx: Context, chat_raw: bytes | None, read: Read[T], modes: Modes) -> T:
+        while True:
+            self.metrics.output_modes.labels(modes.asked).inc()
+            try:
+                body = legs.decode_body(gen, kv, modes.asked, plan.decode.context, chat_raw, plan.stream_interval)
+                async with self.up.decode(body, ctx.headers, ctx.inflight) as resp:
+                    if resp.status == 200:
+                        return await read(resp, modes)
+                    status, raw = resp.status, await resp.read()
+            except LegError as exc:
+                raise leg_failure(exc) from exc
+            if not decisions.retry_as_tokens(status, modes.asked, plan.decode):
+                raise self.error(status, raw)
+            log.warning("decode engine rejected output_mode=%s, chaining instead: %s", modes.asked, raw[:300])
+            modes.asked = "tokens"
 
     def error(self, status: int, raw: bytes) -> SidecarError:
         """A decode engine's non-200 answer before the first byte: its 4xx as it said it; a 5xx

@@ -63,7 +63,9 @@ class RequestPlan:
     answer: Answer = Answer()
     sessions: bool = False  # a chained stream goes through a derender session where one is offered
     coalesce: bool = True  # stateless chained streams merge the chunks that queue behind a call
-    stream_interval: int = 1  # tokens per chunk of a streamed tokens leg
+    # Tokens per chunk of a streamed tokens leg: a derender session splits them per token again,
+    # so fewer, larger chunks cost the decode API and the sidecar less.
+    stream_interval: int = 1
     derive_finish_reason: bool = True  # the derender tier does not make chat's finish_reason itself
     max_logprobs: int | None = None  # what clients may ask for (limits.max_logprobs)
     engine_max_logprobs: int = -1  # what the engines run with (engine.max_logprobs)
