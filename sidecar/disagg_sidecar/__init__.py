@@ -16,7 +16,8 @@ Layers, each importing only those below it (an import-linter contract in pyproje
 - ``upstream/``: ``client`` (legs on the wire, retries, aborts), ``endpoints`` / ``affinity``
   (which endpoint), ``discovery`` / ``endpointslices`` / ``kubeapi`` (where they are), ``tls``,
   ``enginemetrics`` / ``exposition`` (the decode engine's ``/metrics``);
-- ``plan/`` (pure): ``capabilities``, ``decisions``, ``requestlimits``, ``legs``;
+- ``plan/`` (pure): ``request`` (one ``RequestPlan`` per request, read by the layers above),
+  ``capabilities``, ``decisions``, ``requestlimits``, ``stops`` (stop strings and tokens), ``legs``;
 - the base: ``config`` (the file), ``wire`` (names), ``errors``,
   ``metrics``, ``logs``, ``budget``, ``sse`` (event framing, compact JSON), ``connectors/``.
 Nothing here imports vLLM or torch.
