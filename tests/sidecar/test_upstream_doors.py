@@ -56,3 +56,11 @@ async def test_a_session_stream_goes_out_through_upstream_as_ndjson() -> None:
         assert call.body == b'{"request_id":"r1"}\n[0,[7]]\n'
         headers = {k.lower(): v for k, v in call.headers.items()}
         assert headers["content-type"] == "application/x-ndjson" and headers[wire.REQUEST_ID.lower()] == "r1"
+
+
+async def test_an_oversized_capabilities_answer_offers_no_sessions() -> None:
+    with fake_engine() as engine:
+        engine.answer[wire.CAPABILITIES] = (200, b'{"derender_sessions":{"chat_path":"' + b"x" * (2 << 20) + b'"}}')
+        async with aiohttp.ClientSession() as session:
+            assert await sessions.endpoint_with_sessions(_upstream(session, engine), "chat") is None
+        assert wire.CAPABILITIES in [c.path for c in engine.calls]  # asked, and its answer not taken

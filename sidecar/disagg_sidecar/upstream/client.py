@@ -40,6 +40,7 @@ CAPABILITY_TTL_SECONDS = 30.0  # how long a render/derender endpoint's capabilit
 # that it never counts as one of the sidecar's own generate legs.
 SERVING_CHECK = {"prompt": [0, 0], "max_tokens": 1}
 SERVING_CHECK_TIMEOUT = aiohttp.ClientTimeout(total=30)
+PROBE_ANSWER_BYTES = 1 << 20  # read of a probe's answer (health, serving check, capabilities) at most
 
 
 def is_redirect(status: int) -> bool:
@@ -312,11 +313,11 @@ class Upstream:
         try:
             async with self.session.get(self.decode_url + wire.HEALTH, timeout=PROBE_TIMEOUT,
                                         **NO_REDIRECTS) as resp:
-                await resp.read()
+                await read_bounded(resp, "decode", self.decode_url, PROBE_ANSWER_BYTES)
                 return resp.status == 200, False
         except aiohttp.ClientConnectorError:
             return False, True
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, LegError):
             return False, False
 
     async def decode_serves(self, model: str | None) -> bool:
@@ -326,7 +327,10 @@ class Upstream:
         try:
             async with self.session.post(self.decode_url + wire.COMPLETIONS, json=body,
                                          timeout=SERVING_CHECK_TIMEOUT, **NO_REDIRECTS) as resp:
-                await resp.read()
+                try:
+                    await read_bounded(resp, "decode", self.decode_url, PROBE_ANSWER_BYTES)
+                except LegError:
+                    pass  # an oversized answer: its status has said it
                 return resp.status < 500
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return True
@@ -338,9 +342,11 @@ class Upstream:
         at, capabilities = self._capabilities.get(url, (-1e9, None))
         if now - at > CAPABILITY_TTL_SECONDS:
             try:
-                status, body = await self.get_json(url, wire.CAPABILITIES)
-                capabilities = json.loads(body) if status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                async with self.session.get(url + wire.CAPABILITIES, timeout=self.timeouts["render"],
+                                            **NO_REDIRECTS) as resp:
+                    body = await read_bounded(resp, "render", url, PROBE_ANSWER_BYTES)
+                    capabilities = json.loads(body) if resp.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, LegError):
                 capabilities = None
             self._capabilities[url] = (now, capabilities)
         return capabilities
