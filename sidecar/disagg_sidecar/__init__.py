@@ -17,7 +17,8 @@ Layers, each importing only those below it (an import-linter contract in pyproje
 - ``upstream/``: ``client`` (legs on the wire, retries, aborts), ``endpoints`` / ``affinity``
   (which endpoint), ``discovery`` / ``endpointslices`` / ``kubeapi`` (where they are), ``tls``,
   ``enginemetrics`` / ``exposition`` (the decode engine's ``/metrics``);
-- ``plan/`` (pure): ``capabilities``, ``decisions``, ``requestlimits``, ``legs``;
+- ``plan/`` (pure): ``request`` (one ``RequestPlan`` per request, read by the layers above),
+  ``capabilities``, ``decisions``, ``requestlimits``, ``stops`` (stop strings and tokens), ``legs``;
 - the base: ``config`` (the file), ``wire`` (names), ``vllm_releases`` (the supported vLLM releases,
   also read by the operator and the engine extension), ``errors``, ``metrics``, ``logs``, ``budget``,
   ``sse`` (event framing, compact JSON), ``connectors/``.

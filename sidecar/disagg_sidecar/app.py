@@ -33,8 +33,8 @@ from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.pipeline.poollegs import PoolLegs
-from disagg_sidecar.state import DecodeAnswers, SidecarState
-from disagg_sidecar.upstream.client import NO_REDIRECTS, PROBE_TIMEOUT, Upstream
+from disagg_sidecar.state import SidecarState
+from disagg_sidecar.upstream.client import Upstream
 
 log = logging.getLogger("disagg_sidecar")
 access_log = logging.getLogger("disagg_sidecar.access")
@@ -81,6 +81,8 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
     finally:
         if (api := _API_BY_PATH.get(request.path)) is not None:
             request.app[METRICS].requests.labels(api, str(status)).inc()
+            if status == 200:
+                request.app[STATE].answers.successes += 1
             access_log.info("%s %s %s", request.method, request.path, status, extra={"fields": {
                 "status": status, "path": request.path, "ms": round((time.monotonic() - started) * 1000, 1)}})
         request_id_var.set(None)
@@ -92,44 +94,6 @@ async def close_when_draining(request: web.Request, response: web.StreamResponse
     if request.app[STATE].draining:
         response.force_close()
         response.headers[hdrs.CONNECTION] = "close"  # headers are computed, not yet written
-
-
-# The serving check: a two-token prompt (vLLM's ExampleConnector mis-handles one-token prompts, see
-# disagg_sidecar.connectors.example), one output token, on the engine's OpenAI completions route so
-# that it never counts as one of the sidecar's own generate legs.
-_SERVING_CHECK = {"prompt": [0, 0], "max_tokens": 1}
-
-
-async def _decode_health(up: Upstream) -> tuple[bool, bool]:
-    """(healthy, refused): a refused connection means the engine's process is gone."""
-    try:
-        async with up.session.get(up.decode_url + wire.HEALTH, timeout=PROBE_TIMEOUT, **NO_REDIRECTS) as resp:
-            await resp.read()
-            return resp.status == 200, False
-    except aiohttp.ClientConnectorError:
-        return False, True
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return False, False
-
-
-async def _decode_serves(up: Upstream, model: str | None) -> bool:
-    """The serving check: a real request to the decode engine; false only on a 5xx (a timeout or
-    4xx says nothing about an engine that answers everything with 500)."""
-    body = {**_SERVING_CHECK, **({"model": model} if model else {})}
-    try:
-        async with up.session.post(up.decode_url + wire.COMPLETIONS, json=body,
-                                   timeout=aiohttp.ClientTimeout(total=30), **NO_REDIRECTS) as resp:
-            await resp.read()
-            return resp.status < 500
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return True
-
-
-def _decode_answers(metrics: Metrics) -> DecodeAnswers:
-    sample = metrics.registry.get_sample_value
-    errors = sample("disagg_sidecar_leg_errors_total", {"leg": "decode", "kind": "status"}) or 0
-    ok = sum(sample("disagg_sidecar_requests_total", {"api": api, "code": "200"}) or 0 for api in _API_BY_PATH.values())
-    return DecodeAnswers(errors, ok)
 
 
 async def _probe(app: web.Application) -> None:
@@ -144,12 +108,12 @@ async def _probe(app: web.Application) -> None:
         return any(results)
 
     (decode_ok, refused), *pools_ok = await asyncio.gather(
-        _decode_health(up), *(any_healthy(pool) for pool in up.pools.values()))
+        up.decode_health(), *(any_healthy(pool) for pool in up.pools.values()))
     state.record_probe("decode", decode_ok, refused=refused)
     for tier, ok in zip(up.pools, pools_ok):
         state.record_probe(tier, ok)
-    if decode_ok and state.needs_serving_check(_decode_answers(app[METRICS])):
-        serving = await _decode_serves(up, state.model_name())
+    if decode_ok and state.serving_check_due():
+        serving = await up.decode_serves(state.model_name())
         if serving != state.decode_serving:
             (log.info if serving else log.warning)(
                 "decode engine %s", "serves again" if serving else "answers 5xx while its /health says 200: not ready")
@@ -211,8 +175,8 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     kv = get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector else None
     app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv),
-                       Decoder(config, upstream, app[METRICS]), state.capabilities, state.model_name,
-                       state.decode_release)
+                       Decoder(config, upstream, app[METRICS], state.answers), state.capabilities,
+                       state.model_name, state.decode_release)
     await _probe(app)
     prober = asyncio.create_task(_probe_forever(app))
     try:

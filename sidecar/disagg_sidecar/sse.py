@@ -60,7 +60,12 @@ def sse_json(obj: Any) -> bytes:
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact JSON, as the engines write it: the sidecar's one definition."""
+    return dumps_text(obj).encode()
+
+
+def dumps_text(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
 DONE_EVENT = sse(wire.SSE_DONE)

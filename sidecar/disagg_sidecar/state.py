@@ -10,6 +10,7 @@ send the engine one real request (``serving_check``), and readiness stays off un
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,21 +18,10 @@ from typing import Any
 from disagg_sidecar.budget import MemoryBudget
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar import vllm_releases
+from disagg_sidecar.pipeline.decoding import DecodeAnswers
 from disagg_sidecar.plan import capabilities
 
 UNHEALTHY_AFTER = 2  # consecutive failed probes
-
-
-@dataclass
-class DecodeAnswers:
-    """Counts of decode answers as the metrics saw them: 5xx answers and requests answered 200."""
-
-    errors: float = 0
-    successes: float = 0
-
-    def suspect_since(self, before: DecodeAnswers) -> bool:
-        """New 5xx answers and no success since ``before``: the engine may be failing everything."""
-        return self.errors > before.errors and self.successes == before.successes
 
 
 @dataclass
@@ -44,6 +34,7 @@ class SidecarState:
     _failures: dict[str, int] = field(default_factory=dict)
     draining: bool = False
     decode_serving: bool = True  # false: its one real request got a 5xx (see module docstring)
+    answers: DecodeAnswers = field(default_factory=DecodeAnswers)  # counted as they come (app, decoding)
     decode_answers: DecodeAnswers = field(default_factory=DecodeAnswers)  # as of the last probe
     in_flight: int = 0  # requests holding a slot (their body read and checked)
     reading: int = 0  # requests still receiving their body (no slot: memory budget and deadline bound them)
@@ -70,6 +61,10 @@ class SidecarState:
         suspect = answers.suspect_since(self.decode_answers)
         self.decode_answers = answers
         return suspect or not self.decode_serving
+
+    def serving_check_due(self) -> bool:
+        """``needs_serving_check`` for the answers counted until now."""
+        return self.needs_serving_check(dataclasses.replace(self.answers))
 
     def capabilities(self) -> Capabilities:
         return capabilities.current(self.config, self.served_capabilities, self.decode_release())

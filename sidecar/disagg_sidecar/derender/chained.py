@@ -29,16 +29,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from disagg_sidecar.plan import legs
+from disagg_sidecar.plan.request import Answer
 from disagg_sidecar.derender import shapes
 from disagg_sidecar import sse
 from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.derender.fixes import (
-    chat_tokens_as_ids,
-    completion_candidates,
-    generate_for_derender,
-    trim_top_logprobs,
-)
+from disagg_sidecar.derender.fixes import chat_tokens_as_ids, completion_candidates, trim_top_logprobs
+from disagg_sidecar.plan.stops import Stops, cut_by_stop_string, generate_for_derender, stop_cut
 
 # (tier, path, body, metrics kind) -> the tier's JSON answer; raises the sidecar's errors.
 TierCall = Callable[[str, str, bytes, str], Awaitable[Any]]
@@ -49,7 +46,7 @@ LOGPROB_CONTEXT = 4  # sampled ids vLLM's repair of byte-fallback logprob tokens
 
 @dataclass(frozen=True)
 class Options:
-    """What of the client's request the chained path needs."""
+    """What of the client's request the chained path needs: the plan's ``Answer`` for one prompt."""
 
     model: str | None
     prompt_token_ids: list[int]
@@ -60,47 +57,28 @@ class Options:
     return_token_ids: bool = False
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens as ``token_id:N``
     completion_logprobs: int | None = None  # a completions client's `logprobs` (k)
+    stops: Stops = Stops()  # from render's sampling_params
+
+    @classmethod
+    def planned(cls, answer: Answer, gen: Mapping[str, Any]) -> Options:
+        sampling = gen.get(wire.SAMPLING_PARAMS) or {}
+        return cls(model=answer.model, prompt_token_ids=list(gen[wire.TOKEN_IDS]),
+                   sampling=sampling, stops=Stops.of(sampling), top_logprobs=answer.top_logprobs,
+                   hide_metadata=answer.hide_metadata, parallel_tool_calls=answer.parallel_tool_calls,
+                   return_token_ids=answer.return_token_ids, tokens_as_ids=answer.tokens_as_ids,
+                   completion_logprobs=answer.completion_logprobs)
 
     @classmethod
     def of(cls, body: Mapping[str, Any], gen: Mapping[str, Any]) -> Options:
-        logprobs = body.get("logprobs")
-        return cls(model=body.get("model"), prompt_token_ids=list(gen[wire.TOKEN_IDS]),
-                   sampling=gen.get(wire.SAMPLING_PARAMS) or {}, top_logprobs=int(body.get("top_logprobs") or 0),
-                   hide_metadata=body.get("include_reasoning") is False,
-                   parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-                   return_token_ids=bool(body.get("return_token_ids")),
-                   tokens_as_ids=bool(body.get("return_tokens_as_token_ids")),
-                   completion_logprobs=logprobs if type(logprobs) is int else None)
+        return cls.planned(Answer.of(body), gen)
 
-    @property
-    def has_stop(self) -> bool:
-        return bool(self.sampling.get("stop"))
-
-    @property
-    def keep_stop(self) -> bool:
-        return bool(self.sampling.get("include_stop_str_in_output"))
+    def cut(self, logprobs: Any) -> Any:
+        """Chat logprobs with each position's candidates cut to the client's ``top_logprobs``: what
+        goes to the derender tier, and what the client gets (the one place they are cut)."""
+        return trim_top_logprobs(logprobs, self.top_logprobs)
 
 
 # -- pure pieces ---------------------------------------------------------------------------------
-
-def stop_cut(text: str, stop: str, include: bool, unchecked: str = "") -> str:
-    """The text the engine keeps for a choice that ``stop`` ended.
-
-    The engine checks each step's new text (with ``len(stop) - 1`` characters before it) for its
-    stop strings, stops at the first match and truncates there (before it, or after it with
-    ``include_stop_str_in_output``). ``stop`` is the string it reported as ``stop_reason``, so
-    locating it is all that is left: its first occurrence in the checked text, which starts after
-    ``unchecked`` (the text of the first ``min_tokens`` tokens, whose steps are not checked).
-    """
-    at = text.find(stop, max(0, len(unchecked) + 1 - len(stop)) if unchecked else 0)
-    if at < 0:
-        return text
-    return text[: at + len(stop)] if include else text[:at]
-
-
-def cut_by_stop_string(choice: Mapping[str, Any]) -> bool:
-    return choice.get("finish_reason") == "stop" and isinstance(choice.get("stop_reason"), str)
-
 
 def text_body(choices: list[Mapping[str, Any]], opts: Options) -> bytes:
     """``/v1/completions/derender``: the plain text of each choice's ids, decoded as the engine did."""
@@ -128,8 +106,8 @@ def chat_ready(gen: Mapping[str, Any], opts: Options) -> dict[str, Any]:
     position's candidates cut to the client's ``top_logprobs``. The chat cut keeps the first k
     (sampled token first), so this changes nothing derender returns; it keeps vLLM 0.33's derender
     from refusing the k + 1 candidates its generate reports (more than ``max_logprobs``)."""
-    ready = generate_for_derender(gen, opts.keep_stop)
-    ready["choices"] = [{**c, "logprobs": trim_top_logprobs(c["logprobs"], opts.top_logprobs)} if c.get("logprobs") else c
+    ready = generate_for_derender(gen, opts.stops.include)
+    ready["choices"] = [{**c, "logprobs": opts.cut(c["logprobs"])} if c.get("logprobs") else c
                         for c in ready.get("choices") or []]
     return ready
 
@@ -153,11 +131,11 @@ def stream_finish_reason(derendered: str | None, generated: str | None) -> str |
 
 async def kept_texts(choices: list[Mapping[str, Any]], opts: Options, tier: TierCall) -> list[str]:
     """For choices a stop string ended: the text the engine kept (one plain-text derender call)."""
-    skip = int(opts.sampling.get("min_tokens") or 0)
+    skip = opts.stops.min_tokens
     sent = [*choices, *({**c, "token_ids": (c.get("token_ids") or [])[:skip]} for c in choices if skip)]
     texts = [c["text"] for c in (await tier("derender", wire.COMPLETIONS_DERENDER, text_body(sent, opts), "stop"))["choices"]]
     unchecked = texts[len(choices):] if skip else [""] * len(choices)
-    return [stop_cut(text, str(choice["stop_reason"]), opts.keep_stop, before)
+    return [stop_cut(text, str(choice["stop_reason"]), opts.stops.include, before)
             for text, choice, before in zip(texts, choices, unchecked)]
 
 
@@ -191,7 +169,7 @@ async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Option
     entries = {c.get("index", 0): ((c.get("logprobs") or {}).get("content")) for c in ready["choices"]}
     for choice in result["choices"]:
         # include_reasoning false: coupled shows no per-token data that could reveal the reasoning
-        choice["logprobs"] = None if opts.hide_metadata else trim_top_logprobs(choice.get("logprobs"), opts.top_logprobs)
+        choice["logprobs"] = None if opts.hide_metadata else opts.cut(choice.get("logprobs"))
         if opts.tokens_as_ids:
             choice["logprobs"] = chat_tokens_as_ids(choice["logprobs"], entries.get(choice["index"]))
         calls = choice["message"].get("tool_calls")
@@ -203,7 +181,7 @@ async def chat_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Option
 async def completion_batch(out: Mapping[str, Any], leg: legs.DerenderLeg, opts: Options, tier: TierCall) -> Any:
     """A ``/v1/completions/derender`` answer for the engine's tokens, with the engine's token ids,
     usage (derender counts the ids it decoded) and stop-string cut."""
-    ready = generate_for_derender(completion_candidates(out, opts.completion_logprobs), opts.keep_stop)
+    ready = generate_for_derender(completion_candidates(out, opts.completion_logprobs), opts.stops.include)
     resp = await tier("derender", leg.path, leg.batch(sse.dumps(ready)), "batch")
     gen_choices = out.get("choices") or []
     cut = [c for c in gen_choices if cut_by_stop_string(c)]
@@ -230,7 +208,7 @@ class ChatStream:
 
     def __init__(self, leg: legs.DerenderLeg, opts: Options, tier: TierCall, logprobs: bool):
         self.leg, self.opts, self.tier, self.logprobs = leg, opts, tier, logprobs
-        self.hold = opts.has_stop
+        self.hold = opts.stops.hold
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
         ready = chat_ready(chunk, self.opts)
@@ -238,12 +216,11 @@ class ChatStream:
         gen_choice = (chunk.get("choices") or [{}])[0]
         if choices:
             sent = {k: v for k, v in choices[0].items() if k != "logprobs"}  # resolved below
-            if self.opts.has_stop and state is None and cut_by_stop_string(sent):
+            if self.opts.stops.strings and state is None and cut_by_stop_string(sent):
                 sent["token_ids"] = (await cut_token_ids([sent], self.opts, self.tier))[0]
             ready = {**ready, "choices": [sent]}
-        # Every entry, the stop token's too (coupled streams it), cut like ``chat_ready``.
-        logprobs = trim_top_logprobs(gen_choice.get("logprobs"), self.opts.top_logprobs) if self.logprobs else None
-        entries = (logprobs or {}).get("content")
+        # Every entry, the stop token's too (coupled streams it), cut by ``chat_ready``.
+        entries = ((choices[0].get("logprobs") if choices else None) or {}).get("content") if self.logprobs else None
         context = list((state or {}).get("output_token_ids") or [])[-LOGPROB_CONTEXT:]
         derendered, resolved = await asyncio.gather(
             stream_derender(self.tier, self.leg, ready, state),
@@ -253,10 +230,10 @@ class ChatStream:
             c["finish_reason"] = stream_finish_reason(c.get("finish_reason"), gen_choice.get("finish_reason"))
             if c.get("token_ids") is not None:
                 c["token_ids"] = gen_choice.get("token_ids") or []
-            if c.get("logprobs") is not None:  # a render tier without parsers resolves them itself
-                c["logprobs"] = trim_top_logprobs(c["logprobs"], self.opts.top_logprobs)
-            elif resolved is not None:
-                c["logprobs"] = resolved
+            # A render tier without parsers resolves them itself.
+            logprobs = c["logprobs"] if c.get("logprobs") is not None else resolved
+            if logprobs is not None:
+                c["logprobs"] = self.opts.cut(logprobs)
             if self.opts.tokens_as_ids:
                 c["logprobs"] = chat_tokens_as_ids(c.get("logprobs"), entries)
         if self.opts.return_token_ids and state is None and choices:
@@ -265,8 +242,7 @@ class ChatStream:
 
     async def _resolve(self, entries: list[Mapping[str, Any]], context: list[int]) -> dict[str, Any]:
         resp = await self.tier("derender", self.leg.path, self.leg.batch(logprob_body(entries, context)), "logprobs")
-        content = resp["choices"][0]["logprobs"]["content"][len(context):]
-        return trim_top_logprobs({"content": content}, self.opts.top_logprobs)
+        return {"content": resp["choices"][0]["logprobs"]["content"][len(context):]}
 
 
 class CompletionStream:
@@ -274,16 +250,16 @@ class CompletionStream:
 
     def __init__(self, leg: legs.DerenderLeg, opts: Options, tier: TierCall):
         self.leg, self.opts, self.tier = leg, opts, tier
-        self.hold = opts.has_stop
+        self.hold = opts.stops.hold
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
-        ready = generate_for_derender(completion_candidates(chunk, self.opts.completion_logprobs), self.opts.keep_stop)
+        ready = generate_for_derender(completion_candidates(chunk, self.opts.completion_logprobs), self.opts.stops.include)
         data = await stream_derender(self.tier, self.leg, ready, state)
         out = data["chunk"]
         gen_choice = (chunk.get("choices") or [{}])[0]
         for c in out.get("choices") or []:
             c["token_ids"] = gen_choice.get("token_ids")
-        if self.opts.has_stop and state is None and cut_by_stop_string(gen_choice):
+        if self.opts.stops.strings and state is None and cut_by_stop_string(gen_choice):
             (kept,) = await kept_texts([gen_choice], self.opts, self.tier)
             for c in out.get("choices") or []:
                 c["text"] = kept

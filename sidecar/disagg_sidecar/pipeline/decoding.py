@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -22,6 +22,7 @@ from disagg_sidecar.derender import chained
 from disagg_sidecar.plan import answers
 from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
+from disagg_sidecar.plan.request import RequestPlan
 from disagg_sidecar.derender import sessions
 from disagg_sidecar import sse
 from disagg_sidecar.derender import stream
@@ -38,8 +39,38 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ERROR_BYTES = 1 << 20  # of a decode engine's error answer (summarised, never passed on)
-# The engine's 200 answer, still open, and the output mode it was asked for -> what the caller wants.
-Read = Callable[[aiohttp.ClientResponse, wire.OutputMode], Awaitable[T]]
+
+
+@dataclass
+class DecodeAnswers:
+    """Counts of decode answers, kept by the sidecar itself: 5xx answers (``Decoder.error``) and
+    requests answered 200 (``app``); readiness's serving check compares them between probes."""
+
+    errors: float = 0
+    successes: float = 0
+
+    def suspect_since(self, before: DecodeAnswers) -> bool:
+        """New 5xx answers and no success since ``before``: the engine may be failing everything."""
+        return self.errors > before.errors and self.successes == before.successes
+
+
+@dataclass
+class Modes:
+    """A decode call's output modes: the plan's, the one asked for (``tokens`` after a refusal)
+    and the one the answer came in (set by the reader once it knows)."""
+
+    planned: wire.OutputMode
+    asked: wire.OutputMode
+    answered: wire.OutputMode | None = None
+
+    @property
+    def fell_back(self) -> bool:
+        """The engine refused the planned mode or answered in another one."""
+        return self.asked != self.planned or self.answered not in (None, self.planned)
+
+
+# The engine's 200 answer, still open, and the call's modes -> what the caller wants.
+Read = Callable[[aiohttp.ClientResponse, Modes], Awaitable[T]]
 # A decode (or derender) chunk -> the client's chunk, None when it carries nothing for the client.
 Shaper = Callable[[Mapping[str, Any]], Mapping[str, Any] | None]
 
@@ -49,32 +80,35 @@ class Decoder:
     config: SidecarConfig
     up: Upstream
     metrics: Metrics
+    answers: DecodeAnswers = field(default_factory=DecodeAnswers)
 
-    async def call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
-                   ctx: Context, chat_raw: bytes | None, read: Read[T]) -> tuple[wire.OutputMode, T]:
-        """The decode leg, asked again for tokens when the engine refuses the planned mode; the
-        mode of the answer ``read`` read, and what it returned."""
-        mode = decode_plan.mode
+    async def call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
+                   ctx: Context, chat_raw: bytes | None, read: Read[T]) -> T:
+        """The decode leg, asked again for tokens when the engine refuses the planned mode; what
+        ``read`` returned. A fallback (refused, or answered in another mode) is counted here."""
+        modes = Modes(plan.decode.mode, plan.decode.mode)
+        try:
+            return await self._call(gen, kv, plan, ctx, chat_raw, read, modes)
+        finally:
+            if modes.fell_back:
+                self.metrics.mode_fallbacks.labels(modes.planned).inc()
+
+    async def _call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
+                    ctx: Context, chat_raw: bytes | None, read: Read[T], modes: Modes) -> T:
         while True:
-            self.metrics.output_modes.labels(mode).inc()
+            self.metrics.output_modes.labels(modes.asked).inc()
             try:
-                body = legs.decode_body(gen, kv, mode, decode_plan.context, chat_raw, self._stream_interval())
+                body = legs.decode_body(gen, kv, modes.asked, plan.decode.context, chat_raw, plan.stream_interval)
                 async with self.up.decode(body, ctx.headers, ctx.inflight, stream=bool(gen.get("stream"))) as resp:
                     if resp.status == 200:
-                        return mode, await read(resp, mode)
+                        return await read(resp, modes)
                     status, raw = resp.status, await read_bounded(resp, "decode", self.up.decode_url, ERROR_BYTES)
             except LegError as exc:
                 raise leg_failure(exc) from exc
-            if not decisions.retry_as_tokens(status, mode, decode_plan):
+            if not decisions.retry_as_tokens(status, modes.asked, plan.decode):
                 raise self.error(status, raw)
-            log.warning("decode engine rejected output_mode=%s, chaining instead: %s", mode, raw[:300])
-            self.metrics.mode_fallbacks.labels(mode).inc()
-            mode = "tokens"
-
-    def _stream_interval(self) -> int:
-        """Tokens per chunk of a streamed tokens leg: a derender session splits them per token again,
-        so fewer, larger chunks cost the decode API and the sidecar less (``sessions``)."""
-        return self.config.limits.session_stream_interval if self.config.engine.derender_sessions else 1
+            log.warning("decode engine rejected output_mode=%s, chaining instead: %s", modes.asked, raw[:300])
+            modes.asked = "tokens"
 
     def error(self, status: int, raw: bytes) -> SidecarError:
         """A decode engine's non-200 answer before the first byte: its 4xx as it said it; a 5xx
@@ -82,6 +116,7 @@ class Decoder:
         if status < 500:
             return SidecarError.upstream(status, raw, "decode")
         self.metrics.leg_errors.labels("decode", "status").inc()
+        self.answers.errors += 1
         return leg_failure(LegError("decode", "status", self.up.decode_url, status, raw))
 
     async def prompt_logprobs(self, gen: Mapping[str, Any], ctx: Context) -> Any:
@@ -95,14 +130,14 @@ class Decoder:
             raise self.error(status, raw)
         return self._checked(raw, 1).get("prompt_logprobs")
 
-    async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
+    async def batch(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
                     ctx: Context, chat_raw: bytes | None) -> Any:
         """The decode answer, parsed and checked (``answers``: a 502 otherwise)."""
-        mode, raw = await self.call(gen, kv, decode_plan, ctx, chat_raw, lambda resp, _: self._read(resp))
-        answer = self._checked(raw, choices_of(gen))
-        if decisions.answered_mode(answer) != mode:
-            self.metrics.mode_fallbacks.labels(mode).inc()
-        return answer
+        async def read(resp: aiohttp.ClientResponse, modes: Modes) -> Any:
+            answer = self._checked(await self._read(resp), choices_of(gen))
+            modes.answered = decisions.answered_mode(answer)
+            return answer
+        return await self.call(gen, kv, plan, ctx, chat_raw, read)
 
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
         return await read_bounded(resp, "decode", self.up.decode_url, self.config.limits.decode_answer_bytes)
@@ -113,26 +148,26 @@ class Decoder:
         except answers.InvalidAnswer as exc:
             raise invalid_answer("decode", exc, self.up.decode_url) from exc
 
-    async def stream(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, decode_plan: decisions.DecodePlan,
+    async def stream(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
                      ctx: Context, stream_call: chained.StreamCall, chat_raw: bytes | None,
                      writer: SSEWriter, shaper: Shaper) -> Any:
         """Stream one prompt's decode leg to the client; returns its usage (sent by the caller)."""
-        async def read(resp: aiohttp.ClientResponse, mode: wire.OutputMode) -> Any:
-            return await self._relay(resp, mode, stream_call, writer, shaper, choices_of(gen))
-        return (await self.call(gen, kv, decode_plan, ctx, chat_raw, read))[1]
+        async def read(resp: aiohttp.ClientResponse, modes: Modes) -> Any:
+            return await self._relay(resp, plan, modes, stream_call, writer, shaper, choices_of(gen))
+        return await self.call(gen, kv, plan, ctx, chat_raw, read)
 
-    async def passthrough(self, request: web.Request, body: Mapping[str, Any], kv: dict[str, Any] | None,
-                          ctx: Context) -> web.StreamResponse:
+    async def passthrough(self, request: web.Request, body: Mapping[str, Any], plan: RequestPlan,
+                          kv: dict[str, Any] | None, ctx: Context) -> web.StreamResponse:
         """A ``GenerateRequest`` client's decode leg, in the mode it asked for, its answer passed
         through (the bytes as they come when streamed)."""
-        self.metrics.output_modes.labels(decisions.answered_mode(body)).inc()
+        self.metrics.output_modes.labels(plan.decode.mode).inc()
         try:
             async with self.up.decode(sse.dumps(legs.client_decode_leg(body, kv)), ctx.headers,
-                                      ctx.inflight, stream=bool(body.get("stream"))) as resp:
+                                      ctx.inflight, stream=plan.stream) as resp:
                 if resp.status != 200:
                     raise self.error(resp.status, await read_bounded(resp, "decode", self.up.decode_url, ERROR_BYTES))
                 n = choices_of(body)
-                if not body.get("stream"):
+                if not plan.stream:
                     raw = await self._read(resp)
                     self._checked(raw, n)
                     return web.Response(body=raw, status=resp.status, content_type="application/json",
@@ -166,8 +201,8 @@ class Decoder:
         except LegError as exc:
             raise leg_failure(exc) from exc
 
-    async def _relay(self, resp: aiohttp.ClientResponse, mode: wire.OutputMode, stream_call: chained.StreamCall,
-                     writer: SSEWriter, shaper: Shaper, n: int) -> Any:
+    async def _relay(self, resp: aiohttp.ClientResponse, plan: RequestPlan, modes: Modes,
+                     stream_call: chained.StreamCall, writer: SSEWriter, shaper: Shaper, n: int) -> Any:
         """The decode stream to the client: inline chunks shaped, tokens chunks chained. Each event
         is checked (``answers``); a stream that ends without its end is an error, not a short answer."""
         usage: list[Any] = []
@@ -198,13 +233,13 @@ class Decoder:
                         error = event["error"] if isinstance(event["error"], dict) else {}
                         continue
                     event = answers.generated(event, n, "a decode stream event")
-                    if decisions.answered_mode(event) == "tokens":
+                    answered = decisions.answered_mode(event)
+                    modes.answered = modes.answered or answered
+                    if plan.chains(answered):
                         if chain is None:
-                            if mode != "tokens":
-                                self.metrics.mode_fallbacks.labels(mode).inc()
-                            chain = sessions.derender_chain(self.up, stream_call, emit, lambda out: (
-                                stream.ChainedDerender(stream_call, out, coalesce=self.config.limits.coalesce,
-                                                          hold=stream_call.hold, on_call=on_call)))
+                            chain = sessions.derender_chain(self.up, stream_call, emit, plan.sessions, lambda out: (
+                                stream.ChainedDerender(stream_call, out, coalesce=plan.coalesce,
+                                                       hold=stream_call.hold, on_call=on_call)))
                         chain.feed(event)
                     else:
                         await emit(event)

@@ -1,11 +1,14 @@
 """One request through the legs: render -> prefill -> decode (-> derender) -> the client.
 
-The decisions come from ``decisions`` (output mode, prefill route), the bodies from ``legs``, the
+The decisions come from the request's plan (``plan.request``: output mode, what needs the chain,
+derender strategy, logprobs) and ``decisions`` (prefill route), the bodies from ``legs``, the
 shapes from ``shapes``; the legs are called by ``poollegs`` (render, derender, prefill) and
 ``decoding`` (decode, with its refusal rule), and a stream's failure after the first byte is
 ``clientstream``'s. This module sequences them:
 - a decode answer in ``tokens`` (planned, or an engine that refused or ignored the inline mode)
   gets the chained path; any other answer is shaped as it is;
+- an Anthropic Messages request runs the chat legs with the chat request vLLM's mapping derives
+  from it, planned as chat (``request.derived_chat``);
 - a ``GenerateRequest`` client gets its prefill leg rewritten and the decode answer passed
   through (``Decoder.passthrough``);
 - client disconnect: upstream streams are closed and ``handlers`` has the engines still working
@@ -15,7 +18,6 @@ shapes from ``shapes``; the legs are called by ``poollegs`` (render, derender, p
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -26,10 +28,10 @@ from aiohttp import web
 from disagg_sidecar.derender import anthropic
 from disagg_sidecar.derender import chained
 from disagg_sidecar.derender import echo as echoes
-from disagg_sidecar.derender import fixes
 from disagg_sidecar.plan import answers, legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar.plan import requestlimits
+from disagg_sidecar.plan.request import RequestPlan, derived_chat
 from disagg_sidecar.derender import shapes
 from disagg_sidecar import sse
 from disagg_sidecar import vllm_releases, wire
@@ -43,16 +45,17 @@ from disagg_sidecar.errors import SidecarError
 
 
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
+# Render's answer -> the chat request the parsers read, its bytes and its plan.
+AsChat = Callable[[dict[str, Any]], tuple[dict[str, Any], bytes, RequestPlan]]
 
 
 @dataclass(frozen=True)
 class _ChatLegs:
     """A chat-shaped request rendered and prefilled: what its decode leg needs."""
 
-    body: dict[str, Any]  # the chat request the parsers read
-    raw: bytes  # its bytes (the decode leg's and the derender tier's parser context)
+    raw: bytes  # the chat request's bytes (the decode leg's and the derender tier's parser context)
     gen: dict[str, Any]
-    decode_plan: decisions.DecodePlan
+    plan: RequestPlan  # the chat request's, fitted to render's answer
     prefilled: Prefilled
     shape: shapes.Shape
 
@@ -72,50 +75,46 @@ class Flows:
     config: SidecarConfig
     pools: PoolLegs
     decoder: Decoder
-    capabilities: Callable[[], Capabilities]  # what the decode engine may be asked for now
+    capabilities: Callable[[], Capabilities]  # what the decode engine may be asked for now (derived plans)
     model_name: Callable[[], str | None]
     decode_release: Callable[[], vllm_releases.Release | None] = lambda: None  # as the engine reported it
 
-    def _shape(self, body: Mapping[str, Any], gen: Mapping[str, Any], prefilled: Prefilled, created: int,
+    def _shape(self, plan: RequestPlan, gen: Mapping[str, Any], prefilled: Prefilled, created: int,
                response_id: str, index_offset: int = 0) -> shapes.Shape:
+        answer = plan.answer
         return shapes.Shape(
-            id=response_id, created=created, model=self.model_name() or body.get("model"),
+            id=response_id, created=created, model=self.model_name() or answer.model,
             prompt_tokens=len(gen[wire.TOKEN_IDS]),
             cached_tokens=prefilled.cached_tokens,
-            return_token_ids=bool(body.get("return_token_ids")), tool_choice=body.get("tool_choice"),
-            derive_finish_reason=not self.config.engine.features.derender_finish_reason, index_offset=index_offset,
+            return_token_ids=answer.return_token_ids, tool_choice=answer.tool_choice,
+            derive_finish_reason=plan.derive_finish_reason, index_offset=index_offset,
             omits_none=bool((release := self.decode_release()) and release.omits_none_shapes),
         )
-
-    def _checked(self, gen: dict[str, Any]) -> dict[str, Any]:
-        """A GenerateRequest within the client's logprob limit (render does not check it; the engines
-        would, but run with one candidate more)."""
-        requestlimits.check_logprobs(gen.get(wire.SAMPLING_PARAMS), self.config.limits.max_logprobs)
-        return gen
 
     # -- chat ------------------------------------------------------------------------------------
 
     async def _chat_legs(self, render_path: str, render_raw: bytes, ctx: Context, n: int,
-                         as_chat: Callable[[dict[str, Any]], tuple[dict[str, Any], bytes]]) -> _ChatLegs:
+                         as_chat: AsChat) -> _ChatLegs:
         """Render (``render_path``: chat's, or an API vLLM renders as chat) and prefill; ``as_chat``
-        gives the chat request (and its bytes) the decode and derender steps parse with."""
+        gives the chat request (its bytes, its plan) the decode and derender steps parse with."""
         created = int(time.time())
-        gen = self._checked(legs.rendered(await self.pools.render_chat(render_raw, ctx, n, render_path)))
-        body, raw = as_chat(gen)
+        rendered = await self.pools.render_chat(render_raw, ctx, n, render_path)
+        body, raw, plan = as_chat(rendered)
+        gen = plan.prompt_leg(rendered)
         raw = legs.client_context(raw, body)  # without a client's kv_transfer_params
         release = self.decode_release()
-        decode_plan = decisions.fit_to_render(decisions.decode_plan("chat", body, self.capabilities()), gen, release)
-        if decode_plan.context == "parse_context" and release is not None:  # as that engine reads it
+        plan = plan.fitted(gen, release)
+        if plan.decode.context == "parse_context" and release is not None:  # as that engine reads it
             gen = {**gen, wire.PARSE_CONTEXT: vllm_releases.strip_parse_context(gen[wire.PARSE_CONTEXT], release)}
         prefilled = await self.pools.prefill(gen, ctx)
-        shape = self._shape(body, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")
-        return _ChatLegs(body, raw, gen, decode_plan, prefilled, shape)
+        shape = self._shape(plan, gen, prefilled, created, gen.get("request_id") or f"chatcmpl-{ctx.request_id}")
+        return _ChatLegs(raw, gen, plan, prefilled, shape)
 
     async def _chat_batch(self, c: _ChatLegs, ctx: Context) -> dict[str, Any]:
-        out = await self.decoder.batch(c.gen, c.prefilled.kv, c.decode_plan, ctx, c.raw)
-        if decisions.answered_mode(out) == "tokens":
+        out = await self.decoder.batch(c.gen, c.prefilled.kv, c.plan, ctx, c.raw)
+        if c.plan.chains(decisions.answered_mode(out)):
             derender = legs.DerenderLeg("chat", c.raw, c.gen[wire.TOKEN_IDS])
-            return await chained.chat_batch(out, derender, chained.Options.of(c.body, c.gen), c.shape,
+            return await chained.chat_batch(out, derender, chained.Options.planned(c.plan.answer, c.gen), c.shape,
                                             self.pools.tier(ctx))
         return shapes.chat_from_generate(out, c.shape, c.gen[wire.TOKEN_IDS])
 
@@ -124,34 +123,35 @@ class Flows:
         """The chat chunks, each to ``send``, the closing usage chunk to ``send_usage`` (the same by
         default); ``writer`` only starts the client's stream."""
         derender = legs.DerenderLeg("chat", c.raw, c.gen[wire.TOKEN_IDS])
-        stream_call = chained.ChatStream(derender, chained.Options.of(c.body, c.gen), self.pools.tier(ctx),
-                                         logprobs=bool(c.body.get("logprobs")))
+        stream_call = chained.ChatStream(derender, chained.Options.planned(c.plan.answer, c.gen), self.pools.tier(ctx),
+                                         logprobs=c.plan.answer.stream_logprobs)
         first: set[int] = set()
-        usage = await self.decoder.stream(c.gen, c.prefilled.kv, c.decode_plan, ctx, stream_call, c.raw,
+        usage = await self.decoder.stream(c.gen, c.prefilled.kv, c.plan, ctx, stream_call, c.raw,
                                           _Sending(writer, send), lambda chunk: shapes.chat_chunk(chunk, c.shape, first=first))
         if usage is not None:
             await (send_usage or send)(shapes.usage_chunk("chat.completion.chunk", c.shape, c.shape.usage(usage)))
 
-    async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
-        c = await self._chat_legs(wire.CHAT_RENDER, raw, ctx, requestlimits.choices("chat", body) or 1,
-                                  lambda gen: (body, raw))
-        if not body.get("stream"):
-            return web.json_response(await self._chat_batch(c, ctx), headers=ctx.response_headers(), dumps=_dumps)
+    async def chat(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
+                   ctx: Context) -> web.StreamResponse:
+        c = await self._chat_legs(wire.CHAT_RENDER, raw, ctx, plan.n, lambda gen: (body, raw, plan))
+        if not plan.stream:
+            return web.json_response(await self._chat_batch(c, ctx), headers=ctx.response_headers(),
+                                     dumps=sse.dumps_text)
         writer = SSEWriter(request, ctx.response_headers())
         return await run_stream(writer, lambda: self._chat_stream(c, ctx, writer, writer.send))
 
     # -- Anthropic Messages: chat legs, vLLM's mapping around them (derender.anthropic) --------------
 
-    async def messages(self, request: web.Request, raw: bytes, body: dict[str, Any],
+    async def messages(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
                        ctx: Context) -> web.StreamResponse:
-        def as_chat(gen: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        def as_chat(gen: dict[str, Any]) -> tuple[dict[str, Any], bytes, RequestPlan]:
             chat = anthropic.chat_request(body, disabled_thinking_effort=anthropic.chat_effort(gen))
-            return chat, sse.dumps(chat)
+            return chat, sse.dumps(chat), derived_chat(chat, self.capabilities(), self.config)
 
-        c = await self._chat_legs(wire.MESSAGES_RENDER, raw, ctx, 1, as_chat)
-        if not body.get("stream"):
+        c = await self._chat_legs(wire.MESSAGES_RENDER, raw, ctx, plan.n, as_chat)
+        if not plan.stream:
             answer = anthropic.message(await self._chat_batch(c, ctx))
-            return web.json_response(answer, headers=ctx.response_headers(), dumps=_dumps)
+            return web.json_response(answer, headers=ctx.response_headers(), dumps=sse.dumps_text)
         writer = SSEWriter(request, ctx.response_headers())
         converter = anthropic.MessageStream(c.shape.usage({"prompt_tokens": c.shape.prompt_tokens,
                                                            "completion_tokens": 0}))
@@ -178,72 +178,70 @@ class Flows:
         """The rendered prompt's length: the render tier only, as coupled renders it."""
         gen = await self.pools.render_chat(sse.dumps(anthropic.count_render_body(body)), ctx, 1, wire.MESSAGES_RENDER)
         return web.json_response(anthropic.count_tokens(len(gen[wire.TOKEN_IDS])), headers=ctx.response_headers(),
-                                 dumps=_dumps)
+                                 dumps=sse.dumps_text)
 
     # -- completions -------------------------------------------------------------------------------
 
-    async def completions(self, request: web.Request, raw: bytes, body: dict[str, Any],
+    async def completions(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
                           ctx: Context) -> web.StreamResponse:
         created = int(time.time())
-        decode_plan = decisions.decode_plan("completions", body, self.capabilities())
-        n = int(body.get("n") or 1)
+        n, answer = plan.n, plan.answer
         rendered = await self.pools.render_prompts(raw, ctx, requestlimits.rendered_prompts(body), n)
-        gens = [fixes.with_candidate_headroom(self._checked(legs.rendered(g)), self.config.engine.max_logprobs)
-                for g in rendered]
+        gens = [plan.prompt_leg(g) for g in rendered]
         response_id = f"cmpl-{ctx.request_id}"
         tier = self.pools.tier(ctx)
 
         def shape(i: int, prefilled: Prefilled) -> shapes.Shape:
-            return self._shape(body, gens[i], prefilled, created, response_id, index_offset=i * n)
+            return self._shape(plan, gens[i], prefilled, created, response_id, index_offset=i * n)
 
         def derender(gen: Mapping[str, Any]) -> legs.DerenderLeg:
             return legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS])
 
         texts = echoes.prompt_texts(body.get("prompt"), len(gens))
+        with_logprobs = answer.completion_logprobs is not None
 
         async def echo(i: int, gen: Mapping[str, Any], prompt_logprobs: Any) -> echoes.Echo:
             ids = gen[wire.TOKEN_IDS]
-            if type(body.get("logprobs")) is int and not prompt_logprobs:
+            if with_logprobs and not prompt_logprobs:
                 raise SidecarError(502, "The decode engine answered without the prompt's logprobs",
                                    type_="BadGatewayError")
-            text = texts[i] if i < len(texts) and texts[i] is not None else await self._detokenize(ids, body, ctx)
-            first = await self._detokenize(ids[:1], body, ctx) if type(body.get("logprobs")) is int else None
+            text = texts[i] if i < len(texts) and texts[i] is not None else await self._detokenize(ids, plan, ctx)
+            first = await self._detokenize(ids[:1], plan, ctx) if with_logprobs else None
             return echoes.make(body, text, ids, prompt_logprobs, first)
 
         async def one(i: int, gen: Mapping[str, Any]) -> tuple[list[dict[str, Any]], Any]:
             prefilled = await self.pools.prefill(gen, ctx)
-            out = await self.decoder.batch(gen, prefilled.kv, decode_plan, ctx, None)
+            out = await self.decoder.batch(gen, prefilled.kv, plan, ctx, None)
             prompt_logprobs = out.get("prompt_logprobs")  # the decode engine's, for every choice
-            if decisions.answered_mode(out) != "text":
-                out = await chained.completion_batch(out, derender(gen), chained.Options.of(body, gen), tier)
+            if plan.chains(decisions.answered_mode(out)):
+                out = await chained.completion_batch(out, derender(gen), chained.Options.planned(answer, gen), tier)
             s = shape(i, prefilled)
             choices = shapes.completion_choices(out, s, gen[wire.TOKEN_IDS], prompt_logprobs)
-            if body.get("echo"):
+            if answer.echo:
                 e = await echo(i, gen, prompt_logprobs)
                 choices = [echoes.choice(c, e) for c in choices]
             return choices, s.usage(out.get("usage"))
 
-        if not body.get("stream"):
+        if not plan.stream:
             parts = await _gather(*(one(i, g) for i, g in enumerate(gens)))
             choices = [c for part, _ in parts for c in part]
             result = shapes.completion_response(choices, total_usage(u for _, u in parts), shape(0, Prefilled()))
-            return web.json_response(result, headers=ctx.response_headers(), dumps=_dumps)
+            return web.json_response(result, headers=ctx.response_headers(), dumps=sse.dumps_text)
 
         # Prefill every prompt before the first byte, so the response headers can say how.
         prefilled = await _gather(*(self.pools.prefill(g, ctx) for g in gens))
         prompt_shapes = [shape(i, p) for i, p in enumerate(prefilled)]
-        firsts = [echoes.FirstChunks(list(g[wire.TOKEN_IDS]), return_token_ids=bool(body.get("return_token_ids")))
+        firsts = [echoes.FirstChunks(list(g[wire.TOKEN_IDS]), return_token_ids=answer.return_token_ids)
                   for g in gens]
-        if body.get("echo"):  # a generate stream carries no prompt logprobs: a batch leg asks for them
-            asked = type(body.get("logprobs")) is int
-            plps = await _gather(*(self.decoder.prompt_logprobs(g, ctx) if asked else _none() for g in gens))
+        if answer.echo:  # a generate stream carries no prompt logprobs: a batch leg asks for them
+            plps = await _gather(*(self.decoder.prompt_logprobs(g, ctx) if with_logprobs else _none() for g in gens))
             for first, e in zip(firsts, await _gather(*(echo(i, g, plps[i]) for i, g in enumerate(gens)))):
                 first.echo = e
         writer = SSEWriter(request, ctx.response_headers())
 
         async def stream_one(i: int, gen: Mapping[str, Any]) -> Any:
-            stream_call = chained.CompletionStream(derender(gen), chained.Options.of(body, gen), tier)
-            usage = await self.decoder.stream(gen, prefilled[i].kv, decode_plan, ctx, stream_call, None, writer,
+            stream_call = chained.CompletionStream(derender(gen), chained.Options.planned(answer, gen), tier)
+            usage = await self.decoder.stream(gen, prefilled[i].kv, plan, ctx, stream_call, None, writer,
                                               lambda chunk: firsts[i](shapes.completion_chunk(chunk, prompt_shapes[i])))
             return prompt_shapes[i].usage(usage) if usage is not None else None
 
@@ -254,21 +252,19 @@ class Flows:
 
         return await run_stream(writer, run)
 
-    async def _detokenize(self, ids: list[int], body: Mapping[str, Any], ctx: Context) -> str:
+    async def _detokenize(self, ids: list[int], plan: RequestPlan, ctx: Context) -> str:
         """The render tier's text of ``ids``: vLLM's renderer decodes a token prompt so (``echo``)."""
-        request = {"tokens": ids, **({"model": body["model"]} if isinstance(body.get("model"), str) else {})}
-        return await self.pools.call("render", wire.DETOKENIZE, _dumps(request).encode(), ctx, answers.detokenized)
+        model = plan.answer.model
+        request = {"tokens": ids, **({"model": model} if isinstance(model, str) else {})}
+        return await self.pools.call("render", wire.DETOKENIZE, sse.dumps(request), ctx, answers.detokenized)
 
     # -- GenerateRequest clients -------------------------------------------------------------------
 
-    async def generate(self, request: web.Request, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
+    async def generate(self, request: web.Request, body: dict[str, Any], plan: RequestPlan,
+                       ctx: Context) -> web.StreamResponse:
         """The client's own GenerateRequest: prefill leg rewritten, decode answer passed through."""
-        self._checked(body)
-        return await self.decoder.passthrough(request, body, (await self.pools.prefill(body, ctx)).kv, ctx)
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        body = plan.prompt_leg(body)
+        return await self.decoder.passthrough(request, body, plan, (await self.pools.prefill(body, ctx)).kv, ctx)
 
 
 async def _none() -> None:

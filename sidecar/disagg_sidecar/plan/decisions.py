@@ -20,7 +20,7 @@ from typing import Any, Literal
 from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import bad_request
-from disagg_sidecar.plan import options
+from disagg_sidecar.plan import options, requestlimits
 from disagg_sidecar.plan.answers import MAX_TOKEN_ID, is_token_ids
 
 Api = Literal["chat", "completions", "generate", "messages", "count_tokens"]
@@ -95,18 +95,18 @@ def prefill_route(remote: bool, prompt_tokens: int, min_prompt_tokens: int) -> P
     return "remote"
 
 
-def check_openai_request(api: Api, body: Any) -> None:
-    """What the sidecar itself relies on; the render tier validates the rest like vLLM does."""
+def check_openai_request(api: Api, body: Any) -> int:
+    """What the sidecar itself relies on; the render tier validates the rest like vLLM does.
+    Returns the request's ``n``."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
         raise bad_request("stream must be a boolean", "stream")
-    n = body.get("n")
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise bad_request("n must be a positive integer", "n")
+    n = requestlimits.checked_n(api, body)
     if api == "completions" and not _prompt_ids_in_range(body.get("prompt")):
         raise bad_request(f"prompt token ids must be integers from 0 to {MAX_TOKEN_ID}", "prompt")
     options.check(api, body)
+    return n
 
 
 def check_messages_request(body: Any) -> None:
@@ -118,7 +118,8 @@ def check_messages_request(body: Any) -> None:
         raise bad_request("stream must be a boolean", "stream")
 
 
-def check_generate_request(body: Any) -> None:
+def check_generate_request(body: Any) -> int:
+    """A GenerateRequest client's body; returns its ``sampling_params.n``."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     ids = body.get(wire.TOKEN_IDS)
@@ -132,6 +133,7 @@ def check_generate_request(body: Any) -> None:
     mode = body.get(wire.OUTPUT_MODE, "tokens")
     if mode not in wire.OUTPUT_MODES:
         raise bad_request(f"output_mode must be one of {list(wire.OUTPUT_MODES)}", wire.OUTPUT_MODE)
+    return requestlimits.checked_n("generate", body)
 
 
 def _prompt_ids_in_range(prompt: Any) -> bool:

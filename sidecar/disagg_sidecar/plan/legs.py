@@ -15,6 +15,7 @@ from typing import Any
 
 from disagg_sidecar import wire
 from disagg_sidecar.connectors import KVConnector
+from disagg_sidecar.plan import stops
 from disagg_sidecar.plan.decisions import answered_mode
 from disagg_sidecar.sse import dumps
 
@@ -23,7 +24,7 @@ _PREFILL_DROP = (wire.CHAT_REQUEST, wire.PARSE_CONTEXT, "stream_options", "retur
 _PREFILL_SAMPLING_DROP = ("min_tokens", "logprobs", "prompt_logprobs")
 # Need a tokenizer, which a --tokens-only pool lacks (400 or a failed grammar); the one token a
 # prefill leg samples is thrown away, so dropping them changes nothing the client sees.
-_TOKENS_ONLY_SAMPLING_DROP = ("stop", "bad_words", "structured_outputs")
+_TOKENS_ONLY_SAMPLING_DROP = (stops.STOP, "bad_words", "structured_outputs")
 
 
 def _sampling_without_client_kv(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -103,14 +104,14 @@ def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | 
                 context: wire.ContextForm | None, chat_raw: bytes | None, stream_interval: int = 1) -> bytes:
     """The decode leg of an OpenAI request, serialised; with ``derender``, the parser context is
     the client's request (spliced in as its own bytes) or render's ``parse_context``. A ``tokens``
-    leg without stop strings is not detokenized: the derender tier makes the text, and the decode
-    engine's detokenizer would only cost its API process CPU per token (stop strings need it).
+    leg is detokenized only where its stop strings need it (``stops.Stops.detokenize``): the derender
+    tier makes the text, and the decode engine's detokenizer would only cost its API process CPU per token.
     A streamed ``tokens`` leg sends at least ``stream_interval`` tokens per chunk (vLLM's
     ``SamplingParams.stream_interval``; the first token and the end at once)."""
     slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
     leg = decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim)
     sampling = leg[wire.SAMPLING_PARAMS]
-    if mode == "tokens" and not sampling.get("stop") and sampling.get("prompt_logprobs") is None:
+    if mode == "tokens" and not stops.Stops.of(sampling).detokenize and sampling.get("prompt_logprobs") is None:
         sampling["detokenize"] = False  # prompt logprobs need it too: their decoded_token is the detokenizer's
     if mode == "tokens" and leg.get("stream") and stream_interval > 1:
         asked = sampling.get("stream_interval")
@@ -160,10 +161,6 @@ def engine_request_id(request_id: str) -> str:
     return wire.GENERATE_ID_PREFIX + request_id
 
 
-def _json(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
 _MESSAGE_SKELETON = ("role", "name", "tool_calls", "tool_call_id")
 
 
@@ -182,7 +179,7 @@ def parser_context(client_body: bytes, chain: str) -> bytes:
     body = json.loads(client_body)
     if not isinstance(body, dict):
         return client_body
-    body.pop("stop", None)
+    stops.without_stop_strings(body)
     body.pop("echo", None)
     keep_text = body.get("continue_final_message")
     if chain == "chat" and isinstance(body.get("messages"), list) and not keep_text:
@@ -190,7 +187,7 @@ def parser_context(client_body: bytes, chain: str) -> bytes:
                             if isinstance(m, dict) else m for m in body["messages"]]
     elif chain == "completions" and not keep_text and "prompt" in body:
         body["prompt"] = "-"
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return dumps(body)
 
 
 class DerenderLeg:
@@ -206,8 +203,8 @@ class DerenderLeg:
         self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
         client_body = self.context = parser_context(client_body, chain)
         n = len(prompt_token_ids)
-        ids = _json(prompt_token_ids)
-        model_part = b'"model":' + _json(model) + b"," if model else b""
+        ids = dumps(prompt_token_ids)
+        model_part = b'"model":' + dumps(model) + b"," if model else b""
         if chain == "chat":
             self._batch_tail = b',"prompt_tokens":%d,"prompt_token_ids":%s,"chat_request":%s}' % (n, ids, client_body)
             self._stream_tail = self._batch_tail
@@ -222,5 +219,5 @@ class DerenderLeg:
         return b"{" + self._model + key + generate_response + self._batch_tail
 
     def stream(self, generate_chunk: Mapping[str, Any], stream_state: Any) -> bytes:
-        return (b'{"stream":true,' + self._model + b'"generate_chunk":' + _json(generate_chunk)
-                + b',"stream_state":' + _json(stream_state) + self._stream_tail)
+        return (b'{"stream":true,' + self._model + b'"generate_chunk":' + dumps(generate_chunk)
+                + b',"stream_state":' + dumps(stream_state) + self._stream_tail)

@@ -42,14 +42,29 @@ def legs(prompts: int, n: int, rendered: bool) -> int:
     return int(rendered) + prompts * (1 + n)
 
 
-def check(api: str, body: Mapping[str, Any], limits: Limits) -> None:
+def checked_n(api: str, body: Mapping[str, Any]) -> int:
+    """The request's ``n`` (1 when absent); anything but a positive integer is refused."""
     n = choices(api, body)
-    param = "n" if api != "generate" else f"{wire.SAMPLING_PARAMS}.n"
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise bad_request("n must be a positive integer", param)
-    n = n or 1
+        raise bad_request("n must be a positive integer", _n_param(api))
+    return n or 1
+
+
+def _n_param(api: str) -> str:
+    return "n" if api != "generate" else f"{wire.SAMPLING_PARAMS}.n"
+
+
+def check(api: str, body: Mapping[str, Any], limits: Limits) -> int:
+    """``n`` checked and within the limits; returns it."""
+    n = checked_n(api, body)
+    within(api, body, n, limits)
+    return n
+
+
+def within(api: str, body: Mapping[str, Any], n: int, limits: Limits) -> None:
+    """The request's work within the limits, for its checked ``n`` (``checked_n``)."""
     if n > limits.max_n:
-        raise bad_request(f"n is {n}; this server allows at most {limits.max_n} (limits.max_n)", param)
+        raise bad_request(f"n is {n}; this server allows at most {limits.max_n} (limits.max_n)", _n_param(api))
     prompts = rendered_prompts(body) if api == "completions" else 1
     if prompts > limits.max_prompts:
         raise bad_request(f"the request has {prompts} prompts; this server allows at most {limits.max_prompts} "

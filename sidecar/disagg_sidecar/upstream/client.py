@@ -34,6 +34,13 @@ PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2, sock_connect=1)
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5, sock_connect=1)
 ABORT_GRACE_SECONDS = 1.0
 NO_REDIRECTS = {"allow_redirects": False}  # every call of the upstream session (module docstring)
+CAPABILITY_TTL_SECONDS = 30.0  # how long a render/derender endpoint's capabilities are trusted
+# The serving check: a two-token prompt (vLLM's ExampleConnector mis-handles one-token prompts, see
+# disagg_sidecar.connectors.example), one output token, on the engine's OpenAI completions route so
+# that it never counts as one of the sidecar's own generate legs.
+SERVING_CHECK = {"prompt": [0, 0], "max_tokens": 1}
+SERVING_CHECK_TIMEOUT = aiohttp.ClientTimeout(total=30)
+PROBE_ANSWER_BYTES = 1 << 20  # read of a probe's answer (health, serving check, capabilities) at most
 
 
 def is_redirect(status: int) -> bool:
@@ -131,6 +138,7 @@ class Upstream:
         self.stream_timeout = aiohttp.ClientTimeout(total=t.decode_seconds, sock_connect=connect,
                                                     sock_read=t.decode_idle_seconds)
         self._background: set[asyncio.Task] = set()
+        self._capabilities: dict[str, tuple[float, Any]] = {}  # url -> (when asked, answer)
 
     # -- one attempt ---------------------------------------------------------------------------
 
@@ -298,6 +306,59 @@ class Upstream:
     async def get_json(self, url: str, path: str) -> tuple[int, bytes]:
         async with self.session.get(url + path, timeout=self.timeouts["render"], **NO_REDIRECTS) as resp:
             return resp.status, await resp.read()
+
+    async def decode_health(self) -> tuple[bool, bool]:
+        """The decode engine's ``/health``: (healthy, refused); a refused connection means its
+        process is gone."""
+        try:
+            async with self.session.get(self.decode_url + wire.HEALTH, timeout=PROBE_TIMEOUT,
+                                        **NO_REDIRECTS) as resp:
+                await read_bounded(resp, "decode", self.decode_url, PROBE_ANSWER_BYTES)
+                return resp.status == 200, False
+        except aiohttp.ClientConnectorError:
+            return False, True
+        except (aiohttp.ClientError, asyncio.TimeoutError, LegError):
+            return False, False
+
+    async def decode_serves(self, model: str | None) -> bool:
+        """The serving check: a real request to the decode engine; false only on a 5xx (a timeout or
+        4xx says nothing about an engine that answers everything with 500)."""
+        body = {**SERVING_CHECK, **({"model": model} if model else {})}
+        try:
+            async with self.session.post(self.decode_url + wire.COMPLETIONS, json=body,
+                                         timeout=SERVING_CHECK_TIMEOUT, **NO_REDIRECTS) as resp:
+                try:
+                    await read_bounded(resp, "decode", self.decode_url, PROBE_ANSWER_BYTES)
+                except LegError:
+                    pass  # an oversized answer: its status has said it
+                return resp.status < 500
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return True
+
+    async def endpoint_capabilities(self, url: str) -> Any:
+        """A render/derender endpoint's ``/disagg/v1/capabilities`` answer (None: none), asked once
+        per ``CAPABILITY_TTL_SECONDS``."""
+        now = time.monotonic()
+        at, capabilities = self._capabilities.get(url, (-1e9, None))
+        if now - at > CAPABILITY_TTL_SECONDS:
+            try:
+                async with self.session.get(url + wire.CAPABILITIES, timeout=self.timeouts["render"],
+                                            **NO_REDIRECTS) as resp:
+                    body = await read_bounded(resp, "render", url, PROBE_ANSWER_BYTES)
+                    capabilities = json.loads(body) if resp.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, LegError):
+                capabilities = None
+            self._capabilities[url] = (now, capabilities)
+        return capabilities
+
+    @asynccontextmanager
+    async def session_stream(self, url: str, lines: AsyncIterator[bytes],
+                             headers: Mapping[str, str]) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A derender session (``derender.sessions``): ``lines`` written as they come, the answer
+        open; with the streamed decode leg's timeouts (a session lives as long as its decode stream)."""
+        async with self.session.post(url, data=lines, headers={**headers, "Content-Type": "application/x-ndjson"},
+                                     timeout=self.stream_timeout, **NO_REDIRECTS) as resp:
+            yield resp
 
     async def close(self) -> None:
         # Aborts sent as the last streams were cut (drain deadline) get a moment to land.
