@@ -129,22 +129,27 @@ def _summary(roles: Sequence[Role]) -> str:
     return ", ".join(str(r) for r in roles)
 
 
+def _optional_kind_condition(name: str, crd: str, unavailable: Sequence[str], missing: str, applied: str) -> Condition:
+    """A condition for children of an optional kind: False while the cluster lacks its CRD."""
+    if crd in unavailable:
+        return Condition(name, False, "CRDNotInstalled", missing)
+    return Condition(name, True, "Applied", applied)
+
+
 def _inference_pool_condition(plan: Plan, unavailable: Sequence[str]) -> Condition:
-    if INFERENCE_POOL_CRD in unavailable:
-        return Condition("InferencePoolReady", False, "CRDNotInstalled",
-                         f"router.inferencePool is enabled but the cluster has no {INFERENCE_POOL_CRD} CRD: "
-                         "install it (docs/llm-d.md); the operator retries")
-    return Condition("InferencePoolReady", True, "Applied",
-                     f"InferencePool {plan.name} selects the decode and prefill pods at port {plan.sidecar.port}")
+    return _optional_kind_condition(
+        "InferencePoolReady", INFERENCE_POOL_CRD, unavailable,
+        f"router.inferencePool is enabled but the cluster has no {INFERENCE_POOL_CRD} CRD: "
+        "install it (docs/llm-d.md); the operator retries",
+        f"InferencePool {plan.name} selects the decode and prefill pods at port {plan.sidecar.port}")
 
 
 def _pod_monitors_condition(plan: Plan, unavailable: Sequence[str]) -> Condition:
-    if POD_MONITOR_CRD in unavailable:
-        return Condition("PodMonitorsReady", False, "CRDNotInstalled",
-                         f"monitoring.podMonitors is true but the cluster has no {POD_MONITOR_CRD} CRD: install the "
-                         "Prometheus Operator's CRDs (or set podMonitors to auto); the operator retries")
-    return Condition("PodMonitorsReady", True, "Applied",
-                     f"PodMonitors {', '.join(_pod_monitor_names(plan))} select this model's pods")
+    return _optional_kind_condition(
+        "PodMonitorsReady", POD_MONITOR_CRD, unavailable,
+        f"monitoring.podMonitors is true but the cluster has no {POD_MONITOR_CRD} CRD: install the "
+        "Prometheus Operator's CRDs (or set podMonitors to auto); the operator retries",
+        f"PodMonitors {', '.join(_pod_monitor_names(plan))} select this model's pods")
 
 
 def _pod_monitor_names(plan: Plan) -> list[str]:

@@ -133,6 +133,16 @@ class Recorded:
     response: bytearray = field(default_factory=bytearray)  # the bytes sent back, as forwarded
 
 
+async def record(request: web.Request) -> Recorded:
+    """What a fake upstream or proxy received: the body as JSON when it parses, else its bytes."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        body = raw
+    return Recorded(request.path, dict(request.headers), body)
+
+
 @dataclass
 class RecordingProxy:
     """Forwards to ``target`` after ``delay`` seconds and records each request; a path in
@@ -168,12 +178,8 @@ def recording_proxy(target: str, delay: float = 0.0) -> Iterator[RecordingProxy]
         session = aiohttp.ClientSession()
 
         async def forward(request: web.Request) -> web.StreamResponse:
-            raw = await request.read()
-            try:
-                body = json.loads(raw) if raw else None
-            except ValueError:
-                body = raw
-            proxy.calls.append(recorded := Recorded(request.path, dict(request.headers), body))
+            proxy.calls.append(recorded := await record(request))
+            raw = await request.read()  # aiohttp keeps the body: the same bytes record() read
             if proxy.delay:
                 await asyncio.sleep(proxy.delay)  # cancelled if the caller gives up first
             if (fault := proxy.fail.get(request.path)) is not None:

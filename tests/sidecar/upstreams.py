@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from disagg_engine.servers import free_port
-from tests.sidecar.support import PROBE_PATHS, SERVED, LoopThread, Recorded, serve_every_path
+from tests.sidecar.support import PROBE_PATHS, SERVED, LoopThread, Recorded, record, serve_every_path
 
 Handler = Callable[[web.Request, Any], Awaitable[web.StreamResponse]]
 
@@ -203,12 +203,8 @@ class Upstreams:
 
 async def _start(up: Upstream, port: int) -> web.AppRunner:
     async def handle(request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            body = json.loads(raw) if raw else None
-        except ValueError:
-            body = raw
-        up.calls.append(Recorded(request.path, dict(request.headers), body))
+        up.calls.append(recorded := await record(request))
+        body = recorded.body
         if (handler := up.routes.get(request.path)) is not None:
             return await handler(request, body)
         if request.method == "GET":
