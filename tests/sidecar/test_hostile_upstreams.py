@@ -1,81 +1,28 @@
 """Hostile upstreams against the real sidecar app (docs/security.md, "Upstream answers"): render,
-prefill and decode engines that redirect, name other hosts, answer wrong shapes, truncate,
-trickle or oversize. Each case asserts the client's answer (an API-shaped error, or the correct
-answer), that nothing reached a host that is no endpoint (the bystander), and that the sidecar
-is healthy after.
+prefill, decode and derender engines that redirect, name other hosts, answer wrong shapes or end
+streams early. Each case asserts the client's answer (an API-shaped error, or the correct answer),
+that nothing reached a host that is no endpoint (the bystander), and that the sidecar is healthy
+after. Deadlines, sizes, probes and client-side limits: ``test_upstream_limits``.
 """
 
 from __future__ import annotations
 
 import ast
-import asyncio
 import gzip
 import json
-import socket
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
-from aiohttp import web
 
 from tests.sidecar import upstreams as fake
-from disagg_sidecar.keys import STATE
-from tests.sidecar.support import SERVED, run_sidecar, wait_for
-from tests.sidecar.upstreams import Upstreams
+from tests.sidecar.support import run_sidecar
+from tests.sidecar.upstreams import (  # noqa: F401 (fixtures)
+    CHAT, COMPLETION, Upstreams, assert_clean, assert_healthy, module_ups, openai_error, post, read_stream,
+    stream_error, ups,
+)
 
-CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-COMPLETION = {"model": SERVED, "prompt": "hi", "max_tokens": 4}
 SIDECAR_PACKAGE = Path(__file__).resolve().parents[2] / "sidecar" / "disagg_sidecar"
-
-
-@pytest.fixture(scope="module")
-def module_ups() -> Iterator[Upstreams]:
-    with fake.upstreams() as ups:
-        yield ups
-
-
-@pytest.fixture
-def ups(module_ups: Upstreams) -> Upstreams:
-    module_ups.reset()
-    return module_ups
-
-
-def post(url: str, path: str, body: dict, timeout: float = 30) -> requests.Response:
-    return requests.post(url + path, json=body, timeout=timeout)
-
-
-def openai_error(resp: requests.Response) -> dict:
-    assert resp.headers["Content-Type"].startswith("application/json"), resp.text[:300]
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    return error
-
-
-def assert_clean(resp: requests.Response | bytes, ups: Upstreams) -> None:
-    """Nothing of an upstream's address or body in the client's answer; the bystander never asked."""
-    content = resp if isinstance(resp, bytes) else resp.content
-    for up in ups.all():
-        assert up.host_port.encode() not in content, content[:300]
-    assert b"Traceback" not in content and b"10.66.66.66" not in content
-    assert not ups.bystander.calls, [c.path for c in ups.bystander.calls]
-
-
-def assert_healthy(sidecar, ups: Upstreams) -> None:
-    """The sidecar still answers a plain request correctly."""
-    saved = {u.url: dict(u.routes) for u in ups.all()}
-    for u in ups.all():
-        u.routes.clear()
-    try:
-        assert requests.get(sidecar.url + "/health", timeout=10).status_code == 200
-        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
-        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == fake.ANSWER, resp.text
-    finally:
-        for u in ups.all():
-            u.routes.update(saved[u.url])
 
 
 # -- 1. redirects ------------------------------------------------------------------------------------
@@ -332,27 +279,6 @@ def test_upstream_error_bodies_are_summarised_and_an_engine_key_refusal_is_a_502
 
 # -- 4. streams without their end ----------------------------------------------------------------------
 
-def read_stream(resp: requests.Response) -> list:
-    events = []
-    for block in resp.content.split(b"\n\n"):
-        lines = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
-        if lines:
-            payload = b"\n".join(lines)
-            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
-    return events
-
-
-def stream_error(resp: requests.Response) -> dict:
-    """The error the client of a stream sees: an HTTP error before the first event, else the last
-    event, never followed by ``[DONE]``."""
-    if resp.status_code != 200:
-        return openai_error(resp)
-    events = read_stream(resp)
-    assert events and events[-1] != "[DONE]" and "[DONE]" not in events, events[-3:]
-    assert set(events[-1]) == {"error"}, events[-1]
-    return events[-1]["error"]
-
-
 EVENTS = fake.text_events()
 BAD_STREAMS = {
     "no [DONE]": fake.sse_bytes(EVENTS, done=False),
@@ -439,235 +365,3 @@ def test_a_derender_answer_of_the_wrong_shape_is_an_error(ups: Upstreams, case: 
             assert resp.status_code in (200, 502) and error["message"].startswith(
                 "The derender tier answered with an invalid answer ("), (stream, error)
             assert_clean(resp, ups)
-
-
-# -- 5. deadlines --------------------------------------------------------------------------------------
-
-def timed_post(url: str, path: str, body: dict) -> tuple[requests.Response, float]:
-    started = time.monotonic()
-    resp = post(url, path, body, timeout=60)
-    return resp, time.monotonic() - started
-
-
-@pytest.mark.parametrize("leg", ["render", "prefill", "decode", "decode-stream-silent", "decode-stream-trickle"])
-def test_a_trickling_or_silent_engine_holds_no_client_or_slot_past_its_deadline(ups: Upstreams, leg: str) -> None:
-    """Each leg's deadline covers the whole leg: a byte every 0.2 s (the answer would take minutes)
-    or silence after the headers ends at the deadline, the slot given back."""
-    every = 0.2
-    if leg == "render":
-        ups.render.routes["/v1/chat/completions/render"] = fake.trickle(json.dumps(fake.rendered()).encode(), every)
-    elif leg == "prefill":
-        ups.prefill.routes["/inference/v1/generate"] = fake.trickle(json.dumps({"kv_transfer_params": None}).encode(),
-                                                                    every)
-    elif leg == "decode":
-        ups.decode.routes["/inference/v1/generate"] = fake.trickle(json.dumps(fake.text_answer(None)).encode(), every)
-    elif leg == "decode-stream-silent":
-        ups.decode.routes["/inference/v1/generate"] = fake.silent_after(fake.sse_bytes(fake.text_events()[:1], False))
-    else:  # bytes keep coming, but the whole stream takes longer than decode_seconds
-        ups.decode.routes["/inference/v1/generate"] = fake.trickle(fake.sse_bytes(fake.text_events()), every,
-                                                                   "text/event-stream")
-    timeouts = {"render_seconds": 1, "prefill_seconds": 1, "decode_seconds": 2, "decode_idle_seconds": 1}
-    with run_sidecar(fake.config(ups, timeouts=timeouts)) as sidecar:
-        resp, took = timed_post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": leg.startswith("decode-stream")})
-        assert took < 6, took
-        if leg.startswith("decode-stream"):  # cut like a decode engine that went away: vLLM's error event, [DONE]
-            if resp.status_code == 200:  # after the first event
-                events = read_stream(resp)
-                assert events[-1] == "[DONE]" and set(events[-2]) == {"error"}, events
-                error = events[-2]["error"]
-            else:  # before it
-                error = openai_error(resp)
-            assert error == {"message": "The decode engine failed: timeout", "type": "BadGatewayError",
-                             "param": None, "code": 502}, error
-        else:
-            assert resp.status_code in (502, 503), resp.text
-            assert "timeout" in openai_error(resp)["message"]
-        assert_clean(resp, ups)
-        assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=5), "the slot is given back"
-        ups.reset()
-        assert_healthy(sidecar, ups)
-
-
-# -- 6. sizes and numbers --------------------------------------------------------------------------------
-
-def test_an_answer_over_its_legs_size_bound_is_a_502_and_never_held_whole(ups: Upstreams) -> None:
-    big = {**fake.rendered(), "padding": "x" * (1 << 20)}
-    limits = {"render_answer_bytes": 1 << 17, "prefill_answer_bytes": 1 << 17, "decode_answer_bytes": 1 << 17}
-    with run_sidecar(fake.config(ups, limits=limits)) as sidecar:
-        for tier, path in ((ups.render, "/v1/chat/completions/render"), (ups.prefill, "/inference/v1/generate"),
-                           (ups.decode, "/inference/v1/generate")):
-            ups.reset()
-            tier.routes[path] = fake.answer_json(big)
-            resp = post(sidecar.url, "/v1/chat/completions", CHAT)
-            assert resp.status_code == 502, resp.text
-            assert "answered with an answer over its size limit" in openai_error(resp)["message"]
-            assert_clean(resp, ups)
-        ups.reset()
-        assert_healthy(sidecar, ups)
-
-
-@pytest.mark.parametrize("path, body", [
-    ("/inference/v1/generate", {"token_ids": [2**63] * 20, "sampling_params": {"max_tokens": 1}}),
-    ("/inference/v1/generate", {"token_ids": [2**31], "sampling_params": {"max_tokens": 1}}),
-    ("/inference/v1/generate", {"token_ids": [-1, 5], "sampling_params": {"max_tokens": 1}}),
-    ("/v1/completions", {**COMPLETION, "prompt": [2**63] * 20}),
-    ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [2**64]]}),
-    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"extra_args": ["kv_transfer_params"]}}),
-])
-def test_token_ids_no_vocabulary_has_are_a_400_before_any_leg(ups: Upstreams, path: str, body: dict) -> None:
-    with run_sidecar(fake.config(ups, prefill={"selection": "prefix-affinity", "affinity_block_tokens": 4})) as sidecar:
-        resp = post(sidecar.url, path, body)
-        assert resp.status_code == 400 and openai_error(resp)["type"] == "BadRequestError", resp.text
-        assert not any(u.posts() for u in ups.all()), "nothing was sent"
-        assert_healthy(sidecar, ups)
-
-
-# -- 7. probes, metrics and the drain hook -----------------------------------------------------------------
-
-def _drained_from(url: str, source: str, got: list) -> threading.Thread:
-    """GET /health/drained from the loopback address ``source`` (as another host would ask)."""
-    host, port = url.rsplit("/", 1)[-1].split(":")
-
-    def run() -> None:
-        with socket.create_connection((host, int(port)), timeout=30, source_address=(source, 0)) as s:
-            s.sendall(b"GET /health/drained HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            data = b""
-            while chunk := s.recv(65536):
-                data += chunk
-        got.append((source, int(data.split(b" ", 2)[1]), time.monotonic()))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
-def test_the_drain_hook_cannot_be_exhausted_from_other_addresses(ups: Upstreams) -> None:
-    """Many waiters from other addresses (each gets one; more from one address: 429) do not turn
-    away the hook's request from the node's address: it waits for the SIGTERM like any first one."""
-    with run_sidecar(fake.config(ups)) as sidecar:
-        got: list = []
-        started = time.monotonic()
-        attackers = [_drained_from(sidecar.url, f"127.0.0.{i}", got) for i in range(2, 8) for _ in range(2)]
-        assert wait_for(lambda: sum(1 for _, status, _ in got if status == 429) == 6, timeout=5), got
-        kubelet = _drained_from(sidecar.url, "127.0.0.100", got)
-        for t in [*attackers, kubelet]:
-            t.join(30)
-        by_source = {source: status for source, status, _ in got if status != 429}
-        assert by_source["127.0.0.100"] == 409, got  # waited for a SIGTERM, was not turned away
-        assert sorted(status for _, status, _ in got) == [409] * 7 + [429] * 6
-        assert time.monotonic() - started < 20
-
-
-def test_concurrent_scrapes_share_one_engine_metrics_fetch(ups: Upstreams) -> None:
-    text = "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
-
-    async def slow_metrics(request, body):
-        await asyncio.sleep(0.5)  # a slow engine: the scrapes overlap
-        return web.Response(text=text, content_type="text/plain")
-
-    ups.decode.routes["/metrics"] = slow_metrics
-    with run_sidecar(fake.config(ups, metrics={"include_engine": True, "engine_max_age_seconds": 0})) as sidecar:
-        with ThreadPoolExecutor(50) as pool:
-            answers = list(pool.map(lambda _: requests.get(sidecar.url + "/metrics", timeout=30), range(50)))
-        assert all(a.status_code == 200 and "vllm:num_requests_running 3" in a.text for a in answers)
-        fetches = sum(1 for c in ups.decode.calls if c.path == "/metrics")
-        assert 1 <= fetches <= 5, fetches
-
-
-def test_models_takes_a_slot(ups: Upstreams) -> None:
-    async def slow_models(request, body):
-        await asyncio.sleep(1)
-        return web.json_response({"object": "list", "data": [{"id": SERVED}]})
-
-    ups.decode.routes["/v1/models"] = slow_models
-    with run_sidecar(fake.config(ups, limits={"max_concurrent_requests": 2})) as sidecar:
-        with ThreadPoolExecutor(6) as pool:
-            statuses = sorted(pool.map(lambda _: requests.get(sidecar.url + "/v1/models", timeout=30).status_code,
-                                       range(6)))
-        assert statuses.count(200) >= 2 and statuses.count(503) >= 2, statuses
-        assert sum(1 for c in ups.decode.calls if c.path == "/v1/models") <= 2 + 1  # + the startup probe's
-
-
-# -- 8. smaller client-side items ------------------------------------------------------------------------
-
-def raw_exchange(url: str, head: bytes, body: bytes = b"", wait_first: bool = False) -> bytes:
-    """Send ``head`` (and ``body``, after the first answer bytes with ``wait_first``); all answered bytes."""
-    host, port = url.rsplit("/", 1)[-1].split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(head)
-        first = s.recv(65536)
-        if body and wait_first and first.startswith(b"HTTP/1.1 100"):
-            s.sendall(body)
-        elif body and not wait_first:
-            s.sendall(body)
-        data = first
-        while b"\r\n\r\n" not in data.split(b"HTTP/1.1 100 Continue\r\n\r\n")[-1] or len(data) < 20:
-            if not (chunk := s.recv(65536)):
-                break
-            data += chunk
-        return data
-
-
-def test_expect_headers(ups: Upstreams, tmp_path: Path) -> None:
-    body = json.dumps(CHAT).encode()
-
-    def head(expect: str, key: str | None = None) -> bytes:
-        auth = f"Authorization: Bearer {key}\r\n" if key else ""
-        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nExpect: {expect}\r\n{auth}Connection: close\r\n\r\n").encode()
-
-    with run_sidecar(fake.config(ups)) as sidecar:
-        answer = raw_exchange(sidecar.url, head("foo"))
-        assert answer.startswith(b"HTTP/1.1 417") and b"application/json" in answer, answer[:300]
-        assert b'"Expect supports only 100-continue"' in answer
-        answer = raw_exchange(sidecar.url, head("100-continue"), body, wait_first=True)
-        assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in answer, answer[:300]
-    keyfile = tmp_path / "client-key"
-    keyfile.write_text("sekrit")
-    with run_sidecar(fake.config(ups, auth={"client_api_key_file": str(keyfile)})) as sidecar:
-        before = len(ups.render.posts())
-        answer = raw_exchange(sidecar.url, head("100-continue"), body, wait_first=True)
-        assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, answer[:300]
-        assert len(ups.render.posts()) == before
-        answer = raw_exchange(sidecar.url, head("100-continue", "sekrit"), body, wait_first=True)
-        assert answer.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in answer, answer[:300]
-
-
-def test_numbers_no_double_holds_are_a_400(ups: Upstreams) -> None:
-    with run_sidecar(fake.config(ups)) as sidecar:
-        for body in (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}',
-                     b'{"model": "m", "prompt": "hi", "top_p": -1E+999}'):
-            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
-            resp = requests.post(sidecar.url + path, data=body, headers={"Content-Type": "application/json"},
-                                 timeout=30)
-            assert resp.status_code == 400 and "out of range" in openai_error(resp)["message"], resp.text
-        assert not any(u.posts() for u in ups.all())
-
-
-def test_an_invalid_traceparent_is_not_forwarded(ups: Upstreams) -> None:
-    valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    with run_sidecar(fake.config(ups)) as sidecar:
-        for value, forwarded in ((valid, True), ("00-" + "0" * 32 + "-00f067aa0ba902b7-01", False),
-                                 ("00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01", False),
-                                 ("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", False),
-                                 ("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", False)):
-            ups.reset()
-            resp = requests.post(sidecar.url + "/v1/chat/completions", json=CHAT, headers={"traceparent": value},
-                                 timeout=30)
-            assert resp.status_code == 200, resp.text
-            for up in (ups.render, ups.prefill, ups.decode):
-                (call,) = up.posts()
-                assert (call.headers.get("traceparent") == value) if forwarded else "traceparent" not in {
-                    k.lower() for k in call.headers}, (value, call.headers)
-
-
-def test_a_float_logprobs_is_held_to_the_limit(ups: Upstreams) -> None:
-    with run_sidecar(fake.config(ups, limits={"max_logprobs": 5})) as sidecar:
-        for logprobs in (25.0, 6.0):
-            resp = post(sidecar.url, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
-                "max_tokens": 1, "logprobs": logprobs}})
-            assert resp.status_code == 400 and "greater than max allowed: 5" in openai_error(resp)["message"]
-        assert not any(u.posts() for u in ups.all())
-        ok = post(sidecar.url, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
-            "max_tokens": 1, "logprobs": 5.0}})
-        assert ok.status_code == 200, ok.text

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+import requests
 from aiohttp import web
 
 from disagg_engine.servers import free_port
@@ -259,3 +261,76 @@ def config(ups: Upstreams, **overrides: Any) -> dict[str, Any]:
         else:
             cfg[key] = value
     return cfg
+
+
+# -- what the tests share (fixtures: import ``module_ups`` and ``ups``) --------------------------------
+
+CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+COMPLETION = {"model": SERVED, "prompt": "hi", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def module_ups() -> Iterator[Upstreams]:
+    with upstreams() as made:
+        yield made
+
+
+@pytest.fixture
+def ups(module_ups: Upstreams) -> Upstreams:
+    module_ups.reset()
+    return module_ups
+
+
+def post(url: str, path: str, body: dict, timeout: float = 30) -> requests.Response:
+    return requests.post(url + path, json=body, timeout=timeout)
+
+
+def openai_error(resp: requests.Response) -> dict:
+    assert resp.headers["Content-Type"].startswith("application/json"), resp.text[:300]
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+def assert_clean(resp: requests.Response | bytes, ups: Upstreams) -> None:
+    """Nothing of an upstream's address or body in the client's answer; the bystander never asked."""
+    content = resp if isinstance(resp, bytes) else resp.content
+    for up in ups.all():
+        assert up.host_port.encode() not in content, content[:300]
+    assert b"Traceback" not in content and b"10.66.66.66" not in content
+    assert not ups.bystander.calls, [c.path for c in ups.bystander.calls]
+
+
+def assert_healthy(sidecar, ups: Upstreams) -> None:
+    """The sidecar still answers a plain request correctly."""
+    saved = {u.url: dict(u.routes) for u in ups.all()}
+    for u in ups.all():
+        u.routes.clear()
+    try:
+        assert requests.get(sidecar.url + "/health", timeout=10).status_code == 200
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == ANSWER, resp.text
+    finally:
+        for u in ups.all():
+            u.routes.update(saved[u.url])
+
+
+def read_stream(resp: requests.Response) -> list:
+    events = []
+    for block in resp.content.split(b"\n\n"):
+        lines = [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]
+        if lines:
+            payload = b"\n".join(lines)
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def stream_error(resp: requests.Response) -> dict:
+    """The error the client of a stream sees: an HTTP error before the first event, else the last
+    event, never followed by ``[DONE]``."""
+    if resp.status_code != 200:
+        return openai_error(resp)
+    events = read_stream(resp)
+    assert events and events[-1] != "[DONE]" and "[DONE]" not in events, events[-3:]
+    assert set(events[-1]) == {"error"}, events[-1]
+    return events[-1]["error"]
