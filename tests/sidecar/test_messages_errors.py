@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from disagg_sidecar import wire
-from tests.sidecar.hostile import Answer, generated_cases, issue_cases, request, send_raw
+from tests.sidecar.hostile import Answer, generated_cases, issue_cases, send_raw
 from tests.sidecar.support import REFUSED, FakeEngine, fake_config, fake_engine, run_sidecar
 
 FAKE_MESSAGE = json.loads(REFUSED)["error"]["message"]
