@@ -169,7 +169,8 @@ def test_example_gets_every_child_with_consistent_flags(cluster: Cluster, operat
     assert {role: p["readyReplicas"] for role, p in status["pools"].items()} == {"prefill": 2, "decode": 2, "render": 2}
     assert {c["type"] for c in status["conditions"]} == {
         "Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "ConfigConsistent", "Progressing",
-        "Degraded"}
+        "Degraded", "VersionSupported"}
+    assert next(c for c in status["conditions"] if c["type"] == "VersionSupported")["status"] == "True"
     assert status["derender"] == {"strategy": plan.derender_strategy} == {"strategy": "session"}
     table = cluster.kubectl("get", "dm", "-n", ns).stdout.splitlines()
     assert table[0].split() == ["NAME", "READY", "POOLS", "ENDPOINT", "AGE"]
