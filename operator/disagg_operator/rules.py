@@ -67,6 +67,11 @@ def _port_rule(rule_id: str, target: str, field: str, label: str, low: int, why:
                 f"{label} must be between {low} and 65535{why}", lambda v: low <= getattr(v, attr) <= 65535, f".{field}")
 
 
+def _at_least_one(rule_id: str, target: str, field: str, attr: str, label: str) -> Rule:
+    return Rule(rule_id, target, f"self.{field} >= 1", f"{label} must be at least 1",
+                lambda value: getattr(value, attr) >= 1, f".{field}")
+
+
 def _re(pattern: str, value: str) -> bool:
     # CEL's matches() searches; every pattern here is anchored, so search == fullmatch.
     return re.search(pattern, value) is not None
@@ -266,22 +271,10 @@ RULES: tuple[Rule, ...] = (
         lambda p: p.derender is None or p.render.replicas >= 1, ".derender",
     ),
     *(rule for target in _POOL_TARGETS for rule in _pool_rules(target)),
-    Rule(
-        "parallelism.tensor", "Parallelism", "self.tensor >= 1",
-        "parallelism.tensor must be at least 1", lambda p: p.tensor >= 1, ".tensor",
-    ),
-    Rule(
-        "parallelism.data", "Parallelism", "self.data >= 1",
-        "parallelism.data must be at least 1", lambda p: p.data >= 1, ".data",
-    ),
-    Rule(
-        "cpu-pool.renderer-workers", "CPUPoolSpec", "self.rendererWorkers >= 1",
-        "rendererWorkers must be at least 1", lambda p: p.renderer_workers >= 1, ".rendererWorkers",
-    ),
-    Rule(
-        "autoscaling.min", "Autoscaling", "self.minReplicas >= 1",
-        "autoscaling.minReplicas must be at least 1", lambda a: a.min_replicas >= 1, ".minReplicas",
-    ),
+    _at_least_one("parallelism.tensor", "Parallelism", "tensor", "tensor", "parallelism.tensor"),
+    _at_least_one("parallelism.data", "Parallelism", "data", "data", "parallelism.data"),
+    _at_least_one("cpu-pool.renderer-workers", "CPUPoolSpec", "rendererWorkers", "renderer_workers", "rendererWorkers"),
+    _at_least_one("autoscaling.min", "Autoscaling", "minReplicas", "min_replicas", "autoscaling.minReplicas"),
     Rule(
         "autoscaling.min-le-max", "Autoscaling", "self.minReplicas <= self.maxReplicas",
         "autoscaling.minReplicas must not be greater than autoscaling.maxReplicas",
