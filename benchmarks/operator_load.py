@@ -16,12 +16,11 @@ from typing import Any
 
 from benchmarks.procs import cpu_seconds, rss_mb
 from disagg_operator import names
-from disagg_operator.objects import build_objects
 from tests.harness.cluster import Cluster, ClusterError, _release, _session_lock, _start_or_reuse, default_state_dir
 from tests.harness.operator import OperatorProcess
 from tests.operator.cases import base
 from tests.operator.conftest import CRD
-from tests.operator.test_cluster import COLLECTIONS, METADATA_ONLY, expected_plan
+from tests.operator.test_cluster import COLLECTIONS, METADATA_ONLY, expected_objects, expected_plan
 
 COUNTS = (50, 500)
 IDLE_SECONDS = 10.0
@@ -45,7 +44,7 @@ def statuses_written(cluster: Cluster, ns: str) -> int:
 def create_at_once(cluster: Cluster, op: OperatorProcess, ns: str, count: int, timeout: float = 1800) -> dict[str, Any]:
     """Apply ``count`` models in one request; seconds until all children exist and all statuses are written."""
     docs = docs_for(count)
-    want = sum(len(build_objects(expected_plan(d, ns))) for d in docs)
+    want = sum(len(expected_objects(expected_plan(d, ns))) for d in docs)
     cpu0 = cpu_seconds(op.proc.pid)
     start = time.monotonic()
     # One request stream for all: `kubectl create` (apply would GET each object first).
@@ -72,7 +71,7 @@ def create_at_once(cluster: Cluster, op: OperatorProcess, ns: str, count: int, t
 
 def kubectl_baseline(cluster: Cluster, ns: str, count: int) -> float:
     """``kubectl apply --server-side`` of the children of ``count`` models, until all exist."""
-    objects = [o for d in docs_for(count) for o in build_objects(expected_plan(d, ns))]
+    objects = [o for d in docs_for(count) for o in expected_objects(expected_plan(d, ns))]
     start = time.monotonic()
     cluster.kubectl("apply", "--server-side", "-n", ns, "-f", "-", timeout=1800,
                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
