@@ -136,7 +136,8 @@ def test_vllm_guards_its_api_but_not_health(keyed_render: KeyedServer) -> None:
 @pytest.mark.engine
 def test_every_leg_carries_the_engine_key(keyed_render: KeyedServer, tmp_path: Path) -> None:
     """Render (real, keyed, HTTPS) accepts the sidecar's render leg; the fake prefill/decode engine
-    sees the key on its legs and on the health probes. Without the key the render leg is refused."""
+    sees the key on its legs and on the health probes. Without the key the render leg is refused
+    (a 502 for the client: the key is the sidecar's, not theirs)."""
     with fake_engine() as engine:
         config = fake_config(engine, render={"url": keyed_render.url}, **_tls(keyed_render),
                              auth={"engine_api_key_file": _key_file(tmp_path, "engine", ENGINE_KEY)})
@@ -151,7 +152,8 @@ def test_every_leg_carries_the_engine_key(keyed_render: KeyedServer, tmp_path: P
         engine.calls.clear()
         with run_sidecar(config) as sidecar:
             r = requests.post(sidecar.url + "/v1/chat/completions", json=CHAT, timeout=60)
-            assert r.status_code == 401, r.text
+            # The engine refused the sidecar's key, not the client's: a 502 that says so, not their 401.
+            assert r.status_code == 502 and "refused the sidecar's engine key (status 401)" in r.text, r.text
             assert not engine.posts(), "a leg went on after render refused it"
 
 
