@@ -69,6 +69,11 @@ def test_parse_context_must_be_one_the_decode_release_honours() -> None:
     assert fit_to_render(planned, ids, vllm_releases.release("0.33.0")) == DecodePlan("tokens", "chat")
     assert fit_to_render(planned, ids) == planned  # the engine has not said its version: the configured plan
     assert fit_to_render(planned, {"parse_context": {"tools": None}}, vllm_releases.release("0.33.0")) == planned
+    # A client asking for token_id:N logprob tokens: only a 0.34 parse_context carries that; else the chain.
+    context = {"parse_context": {"tools": None}}
+    assert fit_to_render(planned, context, vllm_releases.release("0.34.0"), tokens_as_ids=True) == planned
+    assert fit_to_render(planned, context, vllm_releases.release("0.33.0"), tokens_as_ids=True) == DecodePlan("tokens", "chat")
+    assert fit_to_render(planned, context, None, tokens_as_ids=True) == DecodePlan("tokens", "chat")
 
 
 def test_chained_means_tokens_and_a_chain() -> None:

@@ -81,7 +81,7 @@ class RequestPlan:
 
     def fitted(self, gen: Mapping[str, Any], release: vllm_releases.Release | None = None) -> RequestPlan:
         """The plan for render's answer and the decode engine's release (``decisions.fit_to_render``)."""
-        decode = decisions.fit_to_render(self.decode, gen, release)
+        decode = decisions.fit_to_render(self.decode, gen, release, tokens_as_ids=self.answer.tokens_as_ids)
         return self if decode == self.decode else dataclasses.replace(self, decode=decode)
 
     def prompt_leg(self, gen: Mapping[str, Any]) -> dict[str, Any]:
