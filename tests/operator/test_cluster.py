@@ -319,7 +319,11 @@ def test_an_operator_restart_writes_nothing(cluster: Cluster, crd_installed: Pat
         cluster.wait_for(op.alive, "the operator", timeout=60)
         cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
         wait_ready(cluster, op, ns, "qwen3-8b")
+        # Ready can come before the rollout ends (surge pods still counted): the status changes again then.
+        cluster.wait_for(lambda: condition(model(cluster, ns, "qwen3-8b"), "Progressing") == "False",
+                         "the example's pools complete (Progressing False)", timeout=READY_TIMEOUT)
         before = operator_writes(cluster, ns)
+        status_before = get(cluster, ns, "disaggregatedmodels")["items"][0]["status"]
         assert all(before.values()), before
         op.stop()
         op.start()
@@ -332,7 +336,9 @@ def test_an_operator_restart_writes_nothing(cluster: Cluster, crd_installed: Pat
         # Controllers may still update Deployment/PDB status; the operator itself wrote nothing, and
         # its status would only change if the Deployments' readiness had.
         changed = sorted(k for k in before if before[k] != after.get(k))
-        assert not changed, f"written on restart: {changed}\n{op.log_tail()}"
+        status_after = get(cluster, ns, "disaggregatedmodels/qwen3-8b")["status"]
+        assert not changed, f"written on restart: {changed}\nstatus before: {status_before}\nafter: {status_after}\n" \
+                            f"{op.log_tail()}"
     finally:
         op.stop()
 
