@@ -18,7 +18,9 @@ Layers, each importing only those below it (an import-linter contract in pyproje
   (which endpoint), ``discovery`` / ``endpointslices`` / ``kubeapi`` (where they are), ``tls``,
   ``enginemetrics`` / ``exposition`` (the decode engine's ``/metrics``);
 - ``plan/`` (pure): ``request`` (one ``RequestPlan`` per request, read by the layers above),
-  ``capabilities``, ``decisions``, ``requestlimits``, ``stops`` (stop strings and tokens), ``legs``;
+  ``capabilities``, ``decisions``, ``requestlimits``, ``stops`` (stop strings and tokens), ``legs``,
+  ``options`` (each request field carried or refused), ``answers`` (upstream answers checked),
+  ``anthropic_request`` (a Messages request as the chat request vLLM derives);
 - the base: ``config`` (the file), ``wire`` (names), ``vllm_releases`` (the supported vLLM releases,
   also read by the operator and the engine extension), ``errors``, ``metrics``, ``logs``, ``budget``,
   ``sse`` (event framing, compact JSON), ``connectors/``.

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from disagg_sidecar.derender import anthropic
+from disagg_sidecar.plan import anthropic_request
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def _ours_validated(body: dict[str, Any], merge: bool, effort: str) -> dict[str,
     """Ours, read by vLLM's ChatCompletionRequest as the derender tier reads it."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    ours = anthropic.chat_request(body, merge_inline_system=merge, disabled_thinking_effort=effort)
+    ours = anthropic_request.chat_request(body, merge_inline_system=merge, disabled_thinking_effort=effort)
     return ChatCompletionRequest.model_validate(ours).model_dump(mode="json", exclude_unset=True, exclude_none=True)
 
 

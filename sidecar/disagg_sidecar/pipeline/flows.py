@@ -28,7 +28,7 @@ from aiohttp import web
 from disagg_sidecar.derender import anthropic
 from disagg_sidecar.derender import chained
 from disagg_sidecar.derender import echo as echoes
-from disagg_sidecar.plan import answers, legs
+from disagg_sidecar.plan import anthropic_request, answers, legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar.plan import requestlimits
 from disagg_sidecar.plan.request import RequestPlan, derived_chat
@@ -145,7 +145,7 @@ class Flows:
     async def messages(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
                        ctx: Context) -> web.StreamResponse:
         def as_chat(gen: dict[str, Any]) -> tuple[dict[str, Any], bytes, RequestPlan]:
-            chat = anthropic.chat_request(body, disabled_thinking_effort=anthropic.chat_effort(gen))
+            chat = anthropic_request.chat_request(body, disabled_thinking_effort=anthropic_request.chat_effort(gen))
             return chat, sse.dumps(chat), derived_chat(chat, self.capabilities(), self.config)
 
         c = await self._chat_legs(wire.MESSAGES_RENDER, raw, ctx, plan.n, as_chat)
@@ -176,7 +176,8 @@ class Flows:
 
     async def count_tokens(self, raw: bytes, body: dict[str, Any], ctx: Context) -> web.StreamResponse:
         """The rendered prompt's length: the render tier only, as coupled renders it."""
-        gen = await self.pools.render_chat(sse.dumps(anthropic.count_render_body(body)), ctx, 1, wire.MESSAGES_RENDER)
+        render_body = sse.dumps(anthropic_request.count_render_body(body))
+        gen = await self.pools.render_chat(render_body, ctx, 1, wire.MESSAGES_RENDER)
         return web.json_response(anthropic.count_tokens(len(gen[wire.TOKEN_IDS])), headers=ctx.response_headers(),
                                  dumps=sse.dumps_text)
 
