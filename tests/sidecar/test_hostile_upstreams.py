@@ -51,16 +51,21 @@ def test_no_redirect_is_followed(ups: Upstreams, leg: str, status: int) -> None:
         assert_healthy(sidecar, ups)
 
 
+def assert_decode_prefilled_itself(resp, ups: Upstreams) -> None:
+    """failure_policy fallback: the right answer, from a decode leg without KV parameters."""
+    assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback", resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == fake.ANSWER
+    (leg,) = ups.decode.posts("/inference/v1/generate")
+    assert leg.body["kv_transfer_params"] is None
+    assert_clean(resp, ups)
+
+
 def test_a_redirecting_prefill_engine_falls_back_to_decode(ups: Upstreams) -> None:
     """failure_policy fallback: decode prefills the prompt itself; the answer is the right one."""
     ups.prefill.routes["/inference/v1/generate"] = fake.redirect(ups.bystander.url)
     with run_sidecar(fake.config(ups, prefill={"failure_policy": "fallback"})) as sidecar:
         resp = post(sidecar.url, "/v1/chat/completions", CHAT)
-        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback", resp.text
-        assert resp.json()["choices"][0]["message"]["content"] == fake.ANSWER
-        (leg,) = ups.decode.posts("/inference/v1/generate")
-        assert leg.body["kv_transfer_params"] is None
-        assert_clean(resp, ups)
+        assert_decode_prefilled_itself(resp, ups)
 
 
 def test_every_upstream_call_refuses_redirects() -> None:
@@ -128,11 +133,7 @@ def test_kv_params_naming_anything_but_the_prefilled_endpoint_never_reach_decode
     ups.decode.calls.clear()
     with run_sidecar(nixl_config(ups, failure_policy="fallback")) as sidecar:  # decode prefills itself
         resp = post(sidecar.url, "/v1/chat/completions", CHAT)
-        assert resp.status_code == 200 and resp.headers["x-disagg-prefill"] == "fallback", resp.text
-        assert resp.json()["choices"][0]["message"]["content"] == fake.ANSWER
-        (leg,) = ups.decode.posts("/inference/v1/generate")
-        assert leg.body["kv_transfer_params"] is None
-        assert_clean(resp, ups)
+        assert_decode_prefilled_itself(resp, ups)
 
 
 def test_kv_params_of_the_prefilled_endpoint_reach_decode_as_they_are(ups: Upstreams) -> None:
