@@ -129,27 +129,14 @@ def _summary(roles: Sequence[Role]) -> str:
     return ", ".join(str(r) for r in roles)
 
 
-def _optional_kind_condition(name: str, crd: str, unavailable: Sequence[str], missing: str, applied: str) -> Condition:
-    """A condition for children of an optional kind: False while the cluster lacks its CRD."""
+def _optional_kind_condition(name: str, crd: str, unavailable: Sequence[str], setting: str, install: str,
+                             applied: str) -> Condition:
+    """A condition for children of an optional kind that ``setting`` asks for: False while the
+    cluster lacks its CRD."""
     if crd in unavailable:
-        return Condition(name, False, "CRDNotInstalled", missing)
+        return Condition(name, False, "CRDNotInstalled",
+                         f"{setting} but the cluster has no {crd} CRD: {install}; the operator retries")
     return Condition(name, True, "Applied", applied)
-
-
-def _inference_pool_condition(plan: Plan, unavailable: Sequence[str]) -> Condition:
-    return _optional_kind_condition(
-        "InferencePoolReady", INFERENCE_POOL_CRD, unavailable,
-        f"router.inferencePool is enabled but the cluster has no {INFERENCE_POOL_CRD} CRD: "
-        "install it (docs/llm-d.md); the operator retries",
-        f"InferencePool {plan.name} selects the decode and prefill pods at port {plan.sidecar.port}")
-
-
-def _pod_monitors_condition(plan: Plan, unavailable: Sequence[str]) -> Condition:
-    return _optional_kind_condition(
-        "PodMonitorsReady", POD_MONITOR_CRD, unavailable,
-        f"monitoring.podMonitors is true but the cluster has no {POD_MONITOR_CRD} CRD: install the "
-        "Prometheus Operator's CRDs (or set podMonitors to auto); the operator retries",
-        f"PodMonitors {', '.join(_pod_monitor_names(plan))} select this model's pods")
 
 
 def _pod_monitor_names(plan: Plan) -> list[str]:
@@ -159,9 +146,15 @@ def _pod_monitor_names(plan: Plan) -> list[str]:
 def conditions_for(plan: Plan, states: Sequence[PoolState], unavailable: Sequence[str] = ()) -> list[Condition]:
     conds = [_pool_condition(s) for s in states]
     if plan.spec.router.inference_pool.enabled:
-        conds.append(_inference_pool_condition(plan, unavailable))
+        conds.append(_optional_kind_condition(
+            "InferencePoolReady", INFERENCE_POOL_CRD, unavailable, "router.inferencePool is enabled",
+            "install it (docs/llm-d.md)",
+            f"InferencePool {plan.name} selects the decode and prefill pods at port {plan.sidecar.port}"))
     if plan.spec.monitoring.pod_monitors == "true":
-        conds.append(_pod_monitors_condition(plan, unavailable))
+        conds.append(_optional_kind_condition(
+            "PodMonitorsReady", POD_MONITOR_CRD, unavailable, "monitoring.podMonitors is true",
+            "install the Prometheus Operator's CRDs (or set podMonitors to auto)",
+            f"PodMonitors {', '.join(_pod_monitor_names(plan))} select this model's pods"))
     if plan.derender_shared:
         render = next(c for c in conds if c.type == POOL_CONDITIONS[Role.RENDER])
         conds.append(Condition(POOL_CONDITIONS[Role.DERENDER], render.status, "SharedWithRender",
