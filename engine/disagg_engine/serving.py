@@ -13,10 +13,12 @@ with ``parse_context`` from 0.33 on, a streamed one from 0.34 on; the extension 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 from disagg_engine import shapes
+from disagg_engine.per_token import PerToken, per_token_outputs
 from disagg_engine.protocol import DisaggGenerateRequest
 from disagg_engine.vllm_compat import (
     NATIVE_DERENDER,
@@ -70,12 +72,14 @@ class DisaggServingTokens(ServingTokens):
             )
         return None
 
-    async def _tracked(self, outputs: AsyncIterator) -> AsyncGenerator:
-        """Count live derender requests; the count drops however the request ends."""
+    async def _tracked(self, outputs: AsyncGenerator) -> AsyncGenerator:
+        """Count live derender requests; the count drops however the request ends. ``outputs`` is
+        closed with this generator, so vLLM aborts the request at once, not when it is collected."""
         self.live_derender_requests += 1
         try:
-            async for out in outputs:
-                yield out
+            async with aclosing(outputs):
+                async for out in outputs:
+                    yield out
         finally:
             self.live_derender_requests -= 1
 
@@ -109,9 +113,11 @@ class DisaggServingTokens(ServingTokens):
             return
         ctx, template_kwargs = self._chat_setup(request)
         chat = chat_with_history(self.chat, request.history_tool_calls())
+        tokenizer = self.chat.renderer.tokenizer
+        splitter = PerToken(tokenizer, request_id, list(request.token_ids), request.sampling_params)
         chat_stream = chat.chat_completion_stream_generator(
-            ctx, self._tracked(result_generator), request_id, model_name, [],
-            self.chat.renderer.tokenizer, request_metadata, chat_template_kwargs=template_kwargs,
+            ctx, self._tracked(per_token_outputs(result_generator, splitter)), request_id, model_name, [],
+            tokenizer, request_metadata, chat_template_kwargs=template_kwargs,
         )
         async for event in chat_stream:
             payload = event[len("data: "):].strip() if event.startswith("data: ") else ""

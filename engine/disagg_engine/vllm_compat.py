@@ -162,7 +162,7 @@ def empty_chat_request() -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}]})
 
 
-# --- Derender sessions on the render tier (sessions.py) -----------------------------------------
+# --- Derender sessions on the render tier (sessions.py), merged stream outputs split (per_token.py)
 # The render launcher has no engine client; OpenAIServingChat reads only these of one. The
 # engine's own output path (OutputProcessor: incremental detokenizer, stop strings, logprobs,
 # n > 1 fan-out) turns the decode engine's token chunks into RequestOutputs, as AsyncLLM does.
@@ -170,6 +170,7 @@ from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata  # n
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion  # noqa: E402,F401
 from vllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402,F401
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason  # noqa: E402,F401
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer  # noqa: E402,F401
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector  # noqa: E402,F401
 from vllm.v1.engine.parallel_sampling import ParentRequest  # noqa: E402,F401
 from vllm.v1.outputs import LogprobsLists  # noqa: E402,F401
