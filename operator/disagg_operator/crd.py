@@ -161,7 +161,9 @@ def status_schema() -> dict[str, Any]:
                 "type": "object", "description": "How streams are derendered (docs/protocol.md).",
                 "properties": {"strategy": {
                     "type": "string", "enum": list(get_args(Strategy)),
-                    "description": "inline: decode derenders its own stream (engine.extension); session: the "
+                    "description": "inline: decode derenders its own stream (engine.extension); stock-inline: "
+                    "a stock decode does (its vLLM streams output_mode derender, "
+                    f"{vllm_releases.with_feature('stock_streaming_derender')}); session: the "
                     "render tier keeps each stream's parser state (engine.renderExtension, "
                     f"{vllm_releases.with_feature('derender_sessions')}); "
                     "stateless: each chunk is derendered with the state the sidecar carries.",

@@ -1,6 +1,9 @@
 """How a model's streams are derendered, decided from the spec (pure): ``status.derender.strategy``.
 
 - ``inline``: decode runs the engine extension (``engine.extension``) and derenders its own stream;
+- ``stock-inline``: a stock decode whose vLLM streams ``output_mode: derender`` itself from render's
+  ``parse_context`` (0.34 on, the release table's ``stock_streaming_derender``): no derender-tier
+  traffic; a request the stock stream cannot answer exactly is chained, as below;
 - ``session``: a stock decode, and the render tier runs the engine extension
   (``engine.renderExtension``) on a vLLM whose render tier keeps a stream's parser state in a
   derender session (0.32, 0.33; ``engine_args.derender_sessions``): one call per stream, nothing replayed;
@@ -16,10 +19,12 @@ from __future__ import annotations
 import re
 from typing import Literal
 
+from disagg_sidecar import vllm_releases
+
 from disagg_operator import engine_args
 from disagg_operator.spec import DisaggregatedModelSpec
 
-Strategy = Literal["inline", "session", "stateless"]
+Strategy = Literal["inline", "stock-inline", "session", "stateless"]
 # vLLM's own images, which have no disagg package: vLLM skips a plugin it cannot find without a
 # word, so the operator does not ask for one there (models made before engine.renderExtension
 # existed have the stock CPU image stored and keep working, stateless).
@@ -39,4 +44,6 @@ def derender_sessions(spec: DisaggregatedModelSpec, render_tier: bool) -> bool:
 def strategy(spec: DisaggregatedModelSpec, render_tier: bool) -> Strategy:
     if spec.engine.extension:
         return "inline"
+    if vllm_releases.release(spec.engine.vllm_version).stock_streaming_derender:
+        return "stock-inline"
     return "session" if derender_sessions(spec, render_tier) else "stateless"

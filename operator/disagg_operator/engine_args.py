@@ -208,6 +208,7 @@ def vllm_features(version: str) -> dict[str, bool]:
     row = vllm_releases.release(version)
     return {
         "generate_output_mode_derender": row.stock_batch_derender,  # /inference/v1/generate output_mode="derender"
+        "generate_streaming_derender": row.stock_streaming_derender,  # ... and stream=true (0.34)
         "render_parse_context": row.render_parse_context,
         # Batch /derender answers with the coupled endpoint's finish_reason for the same tokens
         # (0.32's says "stop" where coupled says "tool_calls", and the reverse after a length cut).

@@ -145,7 +145,8 @@ class EngineSpec(WireModel):
         True, description="Enable it on the render and derender pools where cpuImage contains the disagg package (the "
         "default image does; a stock vllm/vllm-openai[-cpu] image does not, and runs without it): on "
         f"{vllm_releases.with_feature('derender_sessions')} they keep a stream's parser state in a derender session. "
-        "Without it, streams through a stock decode are derendered per chunk (status.derender.strategy: stateless).")
+        "Without it, streams through a stock decode are derendered per chunk (status.derender.strategy: stateless), "
+        f"except on {vllm_releases.with_feature('stock_streaming_derender')}, whose decode derenders them (stock-inline).")
     port: int = Field(8200, description="HTTP port of every vLLM server.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         None, description="Pull policy of every container (vLLM and sidecar); the cluster default when unset."

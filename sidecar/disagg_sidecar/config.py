@@ -320,6 +320,8 @@ class EngineFeatures(BaseModel):
 
     generate_output_mode_derender: bool = Field(
         False, description="Stock batch output_mode=derender on generate, with render's parse_context (0.33).")
+    generate_streaming_derender: bool = Field(
+        False, description="... and stream=true: stock vLLM streams output_mode=derender itself (0.34).")
     render_parse_context: bool = False
     derender_finish_reason: bool = Field(
         False, description="Batch /derender reports coupled's finish_reason (0.33); else the sidecar derives it.")

@@ -338,6 +338,10 @@ STRATEGIES = [
     ({"vllmVersion": "0.32.0", "renderExtension": False}, 1, "stateless", False),
     ({"vllmVersion": "0.32.0"}, 0, "stateless", False),  # decode renders and derenders on its own routes
     ({"vllmVersion": "0.32.0", "extension": True}, 0, "inline", False),
+    ({"vllmVersion": "0.34.0"}, 1, "stock-inline", False),  # stock 0.34 streams derender itself
+    ({"vllmVersion": "0.34.0", "renderExtension": False}, 1, "stock-inline", False),
+    ({"vllmVersion": "0.34.0", "extension": True}, 1, "inline", False),
+    ({"vllmVersion": "0.35.0"}, 1, "stateless", False),  # untested: nothing assumed
 ]
 
 

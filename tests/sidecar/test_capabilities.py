@@ -95,3 +95,32 @@ def test_served_drops_gauges_only() -> None:
     assert capabilities.served(answer) == {"output_modes": ["tokens"]}
     assert answer["live_derender_requests"] == 3  # the probe's answer is not changed
     assert capabilities.served("absent") == "absent" and capabilities.served(None) is None
+
+
+FEATURES_034 = {**FEATURES_033, "generate_streaming_derender": True}
+STOCK_034 = Capabilities(output_modes=ALL, streaming_output_modes=ALL, derender_context_forms=("parse_context",))
+
+
+@pytest.mark.parametrize(("reported", "expected"), [
+    (None, STOCK_034), ("0.34.0", STOCK_034), ("0.33.1", STOCK_033), ("0.32.0", STOCK), ("0.35.0", STOCK)])
+def test_a_stock_034_decode_streams_derender_itself_while_it_reports_034(reported: str | None,
+                                                                         expected: Capabilities) -> None:
+    """Configured for 0.34 (the operator's features): stock streaming derender with render's
+    parse_context, until the engine's /version names a release without it (a 0.33 pod during a
+    rollout: batch only; 0.32 or an untested release: nothing)."""
+    c = config(engine={"features": FEATURES_034})
+    release = None if reported is None else vllm_releases.release(reported)
+    assert capabilities.stock(c.engine, release) == expected
+    caps = capabilities.current(c, "absent", release)
+    assert caps.streaming_output_modes == expected.streaming_output_modes
+
+
+def test_the_operator_configures_what_the_release_table_says() -> None:
+    """The operator's features per version are the keys the sidecar reads (an unknown key would be ignored)."""
+    from disagg_operator.engine_args import vllm_features
+    from disagg_sidecar.config import EngineFeatures
+
+    for version, expected in (("0.32.0", STOCK), ("0.33.0", STOCK_033), ("0.34.0", STOCK_034), ("0.35.0", STOCK)):
+        features = vllm_features(version)
+        assert set(features) <= set(EngineFeatures.model_fields)
+        assert capabilities.configured(config(engine={"features": features})) == expected

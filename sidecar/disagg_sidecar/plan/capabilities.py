@@ -20,8 +20,9 @@ _ALL = wire.OUTPUT_MODES
 # Disagg's engine extension: every mode, batch and streaming, with either parser context.
 EXTENSION = Capabilities(output_modes=_ALL, streaming_output_modes=_ALL,
                          derender_context_forms=("chat_request", "parse_context"))
-# Stock vLLM 0.33: batch derender on generate, with render's parse_context only.
+# Stock vLLM 0.33: batch derender on generate, with render's parse_context only; 0.34 streams it too.
 STOCK_BATCH_DERENDER = Capabilities(output_modes=_ALL, derender_context_forms=("parse_context",))
+STOCK_DERENDER = STOCK_BATCH_DERENDER.model_copy(update={"streaming_output_modes": _ALL})
 # Fields of the engine's answer that are gauges, not capabilities (they change between probes).
 _GAUGES = ("live_derender_requests",)
 
@@ -30,9 +31,12 @@ def stock(engine: Engine, release: vllm_releases.Release | None = None) -> Capab
     """What the decode engine's vLLM does without the extension: what the configuration says of its
     version, and, once the engine reported its own (``release``), only what that release does."""
     f = engine.features
-    configured = f.generate_output_mode_derender and f.render_parse_context
-    reported = release is None or release.stock_batch_derender and release.render_parse_context
-    return STOCK_BATCH_DERENDER if configured and reported else Capabilities()
+    batch = (f.generate_output_mode_derender and f.render_parse_context
+             and (release is None or release.stock_batch_derender and release.render_parse_context))
+    if not batch:
+        return Capabilities()
+    streaming = f.generate_streaming_derender and (release is None or release.stock_streaming_derender)
+    return STOCK_DERENDER if streaming else STOCK_BATCH_DERENDER
 
 
 def configured(config: SidecarConfig) -> Capabilities:
