@@ -2,7 +2,10 @@
 
 It answers as 0.34 (version, fingerprint, the message shape 0.34 changed), runs the forced-output
 processor through 0.34's logits-processor interface, and streams ``output_mode: derender`` from
-render's ``parse_context`` on a stock server, which 0.33 refused.
+render's ``parse_context`` on a stock server, which 0.33 refused. A sidecar configured as the
+operator configures a stock 0.34 decode (status.derender.strategy ``stock-inline``) has that
+server derender its client's stream: no derender call, a chunk per engine step as coupled sends
+them, every field equal to the coupled stream's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import httpx
 import pytest
 
 from disagg_engine.testing.server_set import ServerSet, start_server_set
+from disagg_operator.engine_args import vllm_features
 from tests.harness.forced import OUTPUTS, Forcer
+from tests.harness.openai_views import chat_stream_full_view
+from tests.sidecar.support import SERVED, RunningSidecar, recording_proxy, run_sidecar
 
 pytestmark = pytest.mark.engine
 
@@ -117,3 +123,58 @@ def test_stock_generate_streams_derender_from_parse_context(coupled, forcer):
     assert _joined([c["delta"] for c in choices])["reasoning"] == REASONING
     assert [t for c in choices for t in c["token_ids"]] == forcer.ids(OUTPUTS["reasoning_tool_call"][0])
     assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def stock_decode(coupled: ServerSet) -> Iterator[tuple[RunningSidecar, object]]:
+    """A sidecar whose decode engine is the stock 0.34 server (behind a recording proxy), which also
+    renders (render and prefill local: one server), configured as the operator writes 0.34."""
+    with recording_proxy(coupled.url("coupled")) as proxy:
+        config = {"served_model_name": SERVED, "decode": {"url": proxy.url}, "render": {"mode": "local"},
+                  "prefill": {"mode": "local"},
+                  "engine": {"vllm_version": VERSION, "features": vllm_features(VERSION), "derender_sessions": False}}
+        with run_sidecar(config) as sidecar:
+            yield sidecar, proxy
+
+
+STOCK_INLINE_CASES = {
+    "reasoning_tool_call_n2_logprobs_token_ids": ("reasoning_tool_call", {
+        "n": 2, "logprobs": True, "top_logprobs": 3, "return_token_ids": True,
+        "stream_options": {"include_usage": True}}),
+    "two_tool_calls_stop_inside_the_second": ("two_tool_calls", {"stop": ["Europe"]}),
+    "multibyte_continuous_usage": ("multibyte", {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+}
+
+
+def _events(url: str, body: dict) -> list:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", list(STOCK_INLINE_CASES))
+def test_a_stock_034_decode_derenders_its_own_stream(coupled, forcer, stock_decode, case: str):
+    sidecar, proxy = stock_decode
+    name, extra = STOCK_INLINE_CASES[case]
+    body = forcer.chat_body(name, stream=True, **extra)
+    want = _events(coupled.url("coupled"), body)
+    calls = lambda: sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream")
+    inline = lambda: sidecar.metric("disagg_sidecar_decode_output_mode_total", mode="derender")
+    before, recorded = (calls(), inline()), len(proxy.calls)
+    got = _events(sidecar.url, body)
+    assert chat_stream_full_view(got) == chat_stream_full_view(want)
+    assert (calls(), inline()) == (before[0], before[1] + 1)  # decode derendered it, nobody else
+    [leg] = [c for c in proxy.calls[recorded:] if c.path == "/inference/v1/generate"]
+    engine_chunks = [line for line in leg.response.split(b"\n\n") if line.startswith(b"data: {")]
+    assert all(b'"output_mode":"derender"' in c.replace(b" ", b"") for c in engine_chunks)
+    if body.get("return_token_ids"):  # coupled's chunks: one per step (a step's tokens sent apart)
+        assert steps(got) == steps(want)
+
+
+def steps(events: list) -> int:
+    """A stream's chunks with the engine's merges undone: vLLM merges the outputs of several steps
+    into one chunk while its API process lags (on the coupled server as on a decode engine)."""
+    chunks = [e for e in events if e != "[DONE]"]
+    return len(chunks) + sum(max(0, len(c.get("token_ids") or []) - 1) for e in chunks for c in e["choices"])

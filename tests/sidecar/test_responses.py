@@ -148,6 +148,33 @@ def test_chat_chunks() -> None:
                                                         {"role": "assistant", "content": "b"}]
 
 
+def test_the_role_goes_apart_as_coupled_sends_it() -> None:
+    """vLLM 0.34's stock derender stream opens a choice with its role and first token in one chunk;
+    coupled sends the role alone first (content "", the prompt's ids, usage with no completion)."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10,
+             "completion_tokens_details": {"reasoning_tokens": 1}}
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+             "choices": [{"index": 1, "delta": {"role": "assistant", "reasoning": "I"}, "token_ids": [7],
+                          "logprobs": {"content": [{"token": "I"}]}, "finish_reason": None}], "usage": usage}
+    head, rest = shapes.role_apart(chunk)
+    assert head == {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+                    "choices": [{"index": 1, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}],
+                    "usage": {"prompt_tokens": 9, "completion_tokens": 0, "total_tokens": 9,
+                              "completion_tokens_details": {"reasoning_tokens": 0}}}
+    assert "prompt_token_ids" not in rest and rest["usage"] == usage
+    assert rest["choices"] == [{**chunk["choices"][0], "delta": {"reasoning": "I"}}]
+    # a role chunk alone, a chunk without a role, a usage chunk: as they are
+    for alone in ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}]},
+                  {"choices": [{"index": 0, "delta": {"content": "x"}}]}, {"choices": [], "usage": usage}):
+        assert shapes.role_apart(alone) == [alone]
+    # inline text mode: the role with the first text
+    text = shapes.chat_chunk({"choices": [{"index": 0, "text": "a", "finish_reason": None}]}, SHAPE, first=set())
+    assert [c["choices"][0]["delta"] for c in shapes.role_apart(text)] == [{"role": "assistant", "content": ""},
+                                                                           {"content": "a"}]
+
+
 def test_completion_shapes_reindex_prompts() -> None:
     shape = shapes.Shape(id="cmpl-r1", created=1, model="m", prompt_tokens=4, index_offset=2)
     chunk = shapes.completion_chunk({"choices": [{"index": 1, "text": "x", "finish_reason": None}]}, shape)

@@ -181,6 +181,31 @@ def chat_chunk(chunk: Mapping[str, Any], shape: Shape, *, first: set[int]) -> di
     return out
 
 
+def role_apart(chunk: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A client chat chunk whose choice opens with its role and already carries more (vLLM 0.34's
+    stock derender stream and inline ``text`` mode send the role with the first token) as the
+    coupled endpoint sends it: the role alone first (``content: ""``, with the chunk's prompt token
+    ids, and usage without completion tokens where usage is streamed), then the rest."""
+    choices = chunk.get("choices") or []
+    if len(choices) != 1 or "role" not in (delta := dict(choices[0].get("delta") or {})):
+        return [chunk]
+    choice = choices[0]
+    role = delta.pop("role")
+    if not delta.get("content") and len(delta) <= 1 and not choice.get("token_ids") \
+            and choice.get("logprobs") is None and choice.get("finish_reason") is None:
+        return [chunk]  # the role alone already
+    head: dict[str, Any] = {k: v for k, v in chunk.items() if k not in ("choices", "usage")}
+    head["choices"] = [{"index": choice["index"], "delta": {"role": role, "content": ""}, "logprobs": None,
+                        "finish_reason": None}]
+    if (usage := chunk.get("usage")) is not None:
+        head["usage"] = {**usage, "completion_tokens": 0, "total_tokens": usage.get("prompt_tokens")}
+        if isinstance(details := usage.get("completion_tokens_details"), Mapping):
+            head["usage"]["completion_tokens_details"] = {k: 0 for k in details}
+    rest = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
+    rest["choices"] = [{**choice, "delta": delta}]
+    return [head, rest]
+
+
 # -- completions -------------------------------------------------------------------------------
 
 def completion_response(choices: list[dict[str, Any]], usage: Mapping[str, Any] | None, shape: Shape) -> dict[str, Any]:

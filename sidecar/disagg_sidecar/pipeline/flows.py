@@ -61,13 +61,15 @@ class _ChatLegs:
 
 
 class _Sending:
-    """The decode relay's writer, its chat chunks going to ``send`` (another API's mapping)."""
+    """The decode relay's writer, its chat chunks going to ``send`` (another API's mapping), each
+    choice's role in a chunk of its own, as coupled sends it (``shapes.role_apart``)."""
 
     def __init__(self, writer: SSEWriter, send: Send):
         self.writer, self._send = writer, send
 
     async def send(self, obj: Mapping[str, Any]) -> None:
-        await self._send(obj)
+        for piece in shapes.role_apart(obj):
+            await self._send(piece)
 
 
 @dataclass
