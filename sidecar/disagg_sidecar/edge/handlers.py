@@ -157,15 +157,9 @@ def _no_slot(request: web.Request) -> SidecarError:
 async def _run(request: web.Request, plan: RequestPlan, raw: bytes, body: Any, ctx: Context) -> web.StreamResponse:
     flows: Flows = request.app[FLOWS]
     try:
-        if plan.api == "chat":
-            return await flows.chat(request, raw, body, plan, ctx)
-        if plan.api == "completions":
-            return await flows.completions(request, raw, body, plan, ctx)
-        if plan.api == "messages":
-            return await flows.messages(request, raw, body, plan, ctx)
-        if plan.api == "count_tokens":
-            return await flows.count_tokens(raw, body, ctx)
-        return await flows.generate(request, body, plan, ctx)
+        if plan.api == "generate":
+            return await flows.generate(request, body, plan, ctx)
+        return await flows.serve(request, raw, body, plan, ctx)
     except (asyncio.CancelledError, ConnectionResetError):
         request.app[UPSTREAM].abort(ctx.inflight)  # the client is gone
         raise

@@ -21,6 +21,12 @@ BAD_ANSWERS = {"redirect": "a redirect, which the sidecar does not follow", "inv
 
 def leg_failure(exc: LegError) -> SidecarError:
     """A leg that failed after its retries, as the client sees it (the details only in the log)."""
+    err = _leg_failure(exc)
+    err.leg, err.unavailable = exc.leg, exc.kind not in BAD_ANSWERS
+    return err
+
+
+def _leg_failure(exc: LegError) -> SidecarError:
     log.warning("%s", exc)
     if exc.kind in BAD_ANSWERS:
         who = "decode engine" if exc.leg == "decode" else f"{exc.leg} tier"

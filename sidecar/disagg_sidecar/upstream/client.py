@@ -203,15 +203,16 @@ class Upstream:
 
     @asynccontextmanager
     async def decode(self, body: bytes, headers: Mapping[str, str], inflight: InFlight | None = None,
-                     stream: bool = False) -> AsyncIterator[aiohttp.ClientResponse]:
-        """The local engine's response, open; leaving the block early closes the connection
+                     stream: bool = False, path: str = wire.GENERATE) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The local engine's response at ``path`` (its generate route, or an OpenAI route when it
+        answers a client's request itself), open; leaving the block early closes the connection
         (which makes vLLM abort the request)."""
         started = time.monotonic()
         url = self.decode_url
         if inflight is not None:
             headers = inflight.headers
         try:
-            resp = await self.session.post(url + wire.GENERATE, data=body, headers={**headers, **JSON_HEADERS},
+            resp = await self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
                                            timeout=self.stream_timeout if stream else self.timeouts["decode"],
                                            **NO_REDIRECTS)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
