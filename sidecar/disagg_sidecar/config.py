@@ -277,8 +277,8 @@ class Limits(Model):
     max_json_depth: int = Field(64, ge=2, le=512)
     header_read_seconds: float = Field(10, gt=0, description="To complete headers; also the idle keep-alive.")
     body_read_seconds: float = Field(30, gt=0, description="From the headers to the whole body: then 408.")
-    memory_budget_bytes: int = Field(256 << 20, ge=16 << 20, description="Bodies in the sidecar, 4 bytes per "
-                                                                         "body byte; beyond: 503 + Retry-After.")
+    memory_budget_bytes: int = Field(256 << 20, ge=16 << 20, description="Bodies in the sidecar (4 bytes per "
+                                     "body byte) and the upstream answers they hold (budget.py); beyond: 503 + Retry-After.")
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
     max_logprobs: int | None = Field(None, ge=-1, description="Logprobs a client may ask for; None: the engines' limit.")
     max_upstream_connections: int = Field(1024, ge=8, description="Connections to the engines at once, every tier "

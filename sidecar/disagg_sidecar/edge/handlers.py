@@ -135,6 +135,7 @@ async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse
             raw, body = await read_json(request, reservation)
             plan = plan_request(api, body, state.capabilities(), state.config)
             ctx = context(request, body)
+            ctx.reservation = reservation
         finally:
             state.done_reading()
         if not state.try_reserve():

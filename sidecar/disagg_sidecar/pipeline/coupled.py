@@ -61,8 +61,8 @@ class DecodeAlone:
                 if resp.status != 200:
                     raise self.decoder.error(resp.status, await read_bounded(resp, "decode", url, ERROR_BYTES))
                 if plan.stream:
-                    return await self._relay(request, resp, api, n, headers)
-                answer = await read_bounded(resp, "decode", url, self.config.limits.decode_answer_bytes)
+                    return await self._relay(request, resp, api, n, headers, ctx)
+                answer = await self.decoder.read(resp, ctx)
                 try:
                     answers.coupled(answers.parse(answer), api, n)
                 except answers.InvalidAnswer as exc:
@@ -72,7 +72,7 @@ class DecodeAlone:
             raise leg_failure(exc) from exc
 
     async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse, api: str, n: int,
-                     headers: dict[str, str]) -> web.StreamResponse:
+                     headers: dict[str, str], ctx: Context) -> web.StreamResponse:
         url = self.up.decode_url
         writer = SSEWriter(request, headers)
         await writer.start()
@@ -80,16 +80,18 @@ class DecodeAlone:
         parser = sse.SSEParser(self.config.limits.upstream_event_bytes)
         ended = Ended(n, messages)
         try:
-            async for data in chunks(resp, "decode", url):  # events as they complete
+            async for data in chunks(resp, "decode", url, ctx.reservation):  # events as they complete
                 out = [framed for payload in parser.feed(data) if (framed := ended.see(payload, api)) is not None]
                 if out:
                     await writer.write(b"".join(out))
             await writer.write(ended.check(parser))
         except LegError as exc:  # the engine went away: an error event, then the API's own end
             log.warning("decode's own stream failed after the first byte: %s", exc)
-            await self._fail(writer, messages, SidecarError(502, f"The decode engine failed: {exc.kind}"))
+            await self._fail(writer, messages, leg_failure(exc))
         except ValueError as exc:  # InvalidAnswer, EventTooLarge: no end, the answer is not whole
             await self._fail(writer, messages, invalid_answer("decode", exc, url))
+        finally:
+            parser.discard()
         return writer.response
 
     @staticmethod
