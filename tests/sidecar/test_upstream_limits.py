@@ -19,7 +19,8 @@ from aiohttp import web
 
 from disagg_sidecar.keys import STATE
 from tests.sidecar import upstreams as fake
-from tests.sidecar.support import SERVED, run_sidecar, wait_for
+from tests.sidecar.hostile import MiB
+from tests.sidecar.support import SERVED, run_sidecar, sidecar_process, wait_for
 from tests.sidecar.upstreams import (  # noqa: F401 (fixtures)
     CHAT, COMPLETION, Upstreams, assert_clean, assert_healthy, module_ups, openai_error, post, read_stream, ups,
 )
@@ -88,6 +89,72 @@ def test_an_answer_over_its_legs_size_bound_is_a_502_and_never_held_whole(ups: U
             assert_clean(resp, ups)
         ups.reset()
         assert_healthy(sidecar, ups)
+
+
+BUDGET_REFUSAL = ("The sidecar's memory budget cannot hold the {}'s answer now (limits.memory_budget_bytes)")
+
+
+def test_upstream_answers_are_counted_in_the_memory_budget(ups: Upstreams, tmp_path: Path) -> None:
+    """A real ``disagg sidecar`` process with a 64 MiB budget: a 48 MiB decode answer, 2 M token ids
+    from render, eight concurrent 12 MiB decode answers (each within its leg's 64 MiB bound) and
+    eight concurrent streams with an 8 MiB event each are refused with a 503 (in a stream: its error
+    event) that names the budget once they would not fit, so the process's peak RSS grows by less
+    than the budget; the sidecar serves normally after."""
+    budget = 64 * MiB
+    huge = json.dumps({**fake.text_answer(None), "padding": "x" * (48 * MiB)}).encode()
+    large = json.dumps({**fake.text_answer(None), "padding": "x" * (12 * MiB)}).encode()
+    ids = json.dumps({**fake.rendered(), "token_ids": [151643] * 2_000_000}).encode()
+    config = fake.config(ups, limits={"memory_budget_bytes": budget})
+    with sidecar_process(config, tmp_path) as sidecar:
+        assert post(sidecar.url, "/v1/chat/completions", CHAT).status_code == 200  # warm
+        base = sidecar.status("VmRSS")
+        sidecar.reset_peak()
+        for tier, path, data, who in ((ups.decode, "/inference/v1/generate", huge, "decode engine"),
+                                      (ups.render, "/v1/chat/completions/render", ids, "render tier")):
+            ups.reset()
+            tier.routes[path] = fake.answer_raw(data)
+            resp = post(sidecar.url, "/v1/chat/completions", CHAT, timeout=120)
+            assert resp.status_code == 503 and resp.headers["Retry-After"] == "1", resp.text[:300]
+            assert openai_error(resp)["message"] == BUDGET_REFUSAL.format(who)
+            assert len(tier.posts(path)) == 1, "no retry: the endpoint is not at fault"
+        ups.reset()
+        ups.decode.routes["/inference/v1/generate"] = fake.answer_raw(large)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: post(sidecar.url, "/v1/chat/completions", CHAT, timeout=120), range(8)))
+        refused = [r for r in answers if r.status_code == 503]
+        assert refused and all(openai_error(r)["message"] == BUDGET_REFUSAL.format("decode engine") for r in refused)
+        assert all(r.json()["choices"][0]["message"]["content"] == fake.ANSWER for r in answers if r.status_code == 200)
+        assert {r.status_code for r in answers} <= {200, 503}
+        # Streams: eight at once, each with an 8 MiB event (within upstream_event_bytes, 16 MiB).
+        ups.reset()
+        first, rest = fake.text_events()
+        ups.decode.routes["/inference/v1/generate"] = fake.stream_raw(fake.sse_bytes(
+            [{**first, "padding": "x" * (8 * MiB)}, rest]))
+        with ThreadPoolExecutor(8) as pool:
+            streams = list(pool.map(lambda _: post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True},
+                                                   timeout=120), range(8)))
+        cut = 0
+        for resp in streams:
+            if resp.status_code == 503:
+                assert openai_error(resp)["message"] == BUDGET_REFUSAL.format("decode engine")
+                cut += 1
+                continue
+            events = read_stream(resp)
+            assert events[-1] == "[DONE]", events[-2:]
+            if "error" in events[-2]:
+                assert events[-2]["error"]["message"] == BUDGET_REFUSAL.format("decode engine")
+                cut += 1
+            else:
+                assert "".join(c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"]) == fake.ANSWER
+        peak = sidecar.status("VmHWM")
+        print(f"RSS {base / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB (+{(peak - base) / MiB:.0f}); "
+              f"{len(refused)} of 8 concurrent answers refused, {cut} of 8 streams")
+        assert cut, "some streams did not fit"
+        assert peak - base < budget, (base, peak)
+        ups.reset()
+        assert requests.get(sidecar.url + "/health", timeout=10).status_code == 200
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == fake.ANSWER
 
 
 @pytest.mark.parametrize("path, body", [
