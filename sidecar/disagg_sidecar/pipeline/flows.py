@@ -229,8 +229,12 @@ class Flows:
         def shape(i: int, prefilled: Prefilled) -> shapes.Shape:
             return self._shape(plan, gens[i], prefilled, created, response_id, index_offset=i * n)
 
+        context: list[bytes] = []  # the parser context, parsed out of the body once for every prompt
+
         def derender(gen: Mapping[str, Any]) -> legs.DerenderLeg:
-            return legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS])
+            if not context:
+                context.append(legs.parser_context(raw, "completions"))
+            return legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS], context=context[0])
 
         texts = echoes.prompt_texts(body.get("prompt"), len(gens))
         with_logprobs = answer.completion_logprobs is not None
