@@ -12,12 +12,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 from aiohttp import web
 
 from disagg_sidecar.keys import STATE
+from disagg_sidecar.plan import legs
 from tests.sidecar import upstreams as fake
 from tests.sidecar.hostile import MiB
 from tests.sidecar.support import SERVED, run_sidecar, sidecar_process, wait_for
@@ -171,6 +173,47 @@ def test_token_ids_no_vocabulary_has_are_a_400_before_any_leg(ups: Upstreams, pa
         assert resp.status_code == 400 and openai_error(resp)["type"] == "BadRequestError", resp.text
         assert not any(u.posts() for u in ups.all()), "nothing was sent"
         assert_healthy(sidecar, ups)
+
+
+def test_a_streamed_completions_request_parses_its_body_once_for_all_its_prompts(
+        ups: Upstreams, monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 prompts and a 1 MiB suffix: the parser context is made once per request (it was once per
+    prompt: 64 parses of the whole body), and each prompt's chained derender calls carry that one
+    context (the stateless protocol's ``completion_request``), never the prompts' text."""
+    made = []
+    real = legs.parser_context
+    monkeypatch.setattr(legs, "parser_context", lambda *a: made.append(1) or real(*a))  # a counting spy
+    tokens = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+
+    async def generate(request: web.Request, body: Any) -> web.StreamResponse:
+        if body.get("stream"):
+            return await fake.stream_raw(fake.sse_bytes(fake.tokens_answer(True)))(request, body)
+        return await fake.DEFAULT_ROUTES["/inference/v1/generate"](request, body)
+
+    async def derender(request: web.Request, body: Any) -> web.StreamResponse:
+        gen = body["generate_chunk"]["choices"][0]
+        return web.json_response({"chunk": {"id": "x", "object": "text_completion", "choices": [
+            {"index": 0, "text": "w" * len(gen["token_ids"]), "finish_reason": gen.get("finish_reason")}]},
+            "stream_state": {"n": 1}})
+    ups.decode.routes["/inference/v1/generate"] = generate
+    ups.render.routes["/v1/completions/derender"] = derender
+    suffix = "s" * MiB
+    body = {**COMPLETION, "prompt": [f"prompt number {i}" for i in range(64)], "suffix": suffix, "stream": True}
+    config = fake.config(ups, decode={"capabilities": tokens}, limits={"coalesce": False})
+    with run_sidecar(config) as sidecar:
+        started = time.process_time()
+        resp = post(sidecar.url, "/v1/completions", body, timeout=120)
+        cpu = time.process_time() - started
+        events = read_stream(resp)
+    assert resp.status_code == 200 and events[-1] == "[DONE]", events[-2:]
+    assert len(made) == 1, f"{len(made)} parses of the body"
+    calls = ups.render.posts("/v1/completions/derender")
+    assert len(calls) == 64 * 2  # two chunks per prompt, one call each (no coalescing)
+    for call in calls:
+        assert call.body["completion_request"]["suffix"] == suffix
+        assert "prompt number" not in json.dumps(call.body)
+    print(f"64 prompts, {len(calls)} derender calls of {len(json.dumps(calls[0].body)) >> 20} MiB each; "
+          f"test process CPU {cpu:.2f} s")
 
 
 # -- 7. probes, metrics and the drain hook -----------------------------------------------------------------
