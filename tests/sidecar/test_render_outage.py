@@ -20,9 +20,11 @@ from disagg_engine.servers import ManagedServer, pid_alive, signal_group, start_
 from disagg_engine.testing.server_set import role_specs
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.harness.engine import early_fixture
-from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
+from tests.harness.openai_views import chat_stream_view, chat_view, completion_view, sse_events
 from tests.sidecar.conftest import TOKENS_ONLY
-from tests.sidecar.support import chat, long_body, run_sidecar, sidecar_config, wait_for
+from tests.sidecar.support import SERVED, chat, long_body, run_sidecar, sidecar_config, wait_for
+from tests.sidecar.test_messages_parity import message_view, messages_body, stream_view
+from tests.sidecar.test_messages_parity import post as post_messages
 
 pytestmark = [pytest.mark.engine, pytest.mark.reliability]
 
@@ -136,6 +138,19 @@ def test_killing_the_only_render_replica(engine_set, forcer, outage_render: Outa
         assert all(t.results[-1][1] == "decode" for t in traffic), "the last ones answered by decode itself"
         assert a.metric("disagg_sidecar_decode_answered_total", reason="tier down") \
             + a.metric("disagg_sidecar_decode_answered_total", reason="leg failed") >= 4
+
+        # The other APIs, batch and streamed, as coupled answers them.
+        for body in (messages_body(forcer, "reasoning_tool_call", False), messages_body(forcer, "reasoning_tool_call", True)):
+            mine, theirs = post_messages(a.url, body, "outage"), post_messages(coupled, body, "outage")
+            if body["stream"]:
+                assert stream_view(mine) == stream_view(theirs)
+            else:
+                assert message_view(mine) == message_view(theirs)
+        completion = {"model": SERVED, "prompt": ["one", "two"], "max_tokens": 8, "temperature": 0}
+        got = requests.post(a.url + "/v1/completions", json=completion, timeout=120)
+        assert got.status_code == 200 and got.headers["x-disagg-render"] == "decode", got.text
+        assert completion_view(got.json()) == completion_view(
+            requests.post(coupled + "/v1/completions", json=completion, timeout=120).json())
 
         # Ready, the render tier reported as degraded; the chained sidecar too, answering itself.
         health = requests.get(a.url + "/health", timeout=5)
