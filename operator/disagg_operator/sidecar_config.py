@@ -13,7 +13,7 @@ from disagg_operator import engine_args, names
 from disagg_operator.spec import DisaggregatedModelSpec
 from disagg_sidecar.config import (
     TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Exposition, Limits, Listen, Prefill,
-    SidecarConfig, StaticDiscovery, Tier, Timeouts,
+    RenderTier, SidecarConfig, StaticDiscovery, Tier, Timeouts,
 )
 from disagg_sidecar.config import Discovery
 
@@ -76,6 +76,14 @@ def _tier(url: str | None) -> Tier:
     return Tier(mode="remote", url=url) if url else Tier(mode="local")
 
 
+def _render_tier(url: str | None, policy: str) -> RenderTier:
+    """The render tier; its failure policy written only when the pool exists and it is not the default
+    (unset stays unset: no new config, no roll)."""
+    if not url:
+        return RenderTier(mode="local")
+    return RenderTier(mode="remote", url=url, **({"failure_policy": "decode"} if policy == "decodeRenders" else {}))
+
+
 def build(
     spec: DisaggregatedModelSpec, *, served_name: str, endpoints: Endpoints, kv_connector: str | None,
     prefill_tokens_only: bool, listen: Listen, derender_sessions: bool, min_prompt_tokens: int = 0,
@@ -109,7 +117,8 @@ def build(
         # pool Prometheus scrapes the engine itself, and a second copy of its series would count twice.
         **({"metrics": Exposition(include_engine=True)} if pool else {}),
         version=1, served_model_name=served_name, listen=listen, decode=Decode(url=endpoints.decode_url),
-        render=_tier(endpoints.render_url), derender=_tier(endpoints.derender_url), prefill=prefill,
+        render=_render_tier(endpoints.render_url, router.render_failure_policy),
+        derender=_tier(endpoints.derender_url), prefill=prefill,
         kv_connector=kv_connector,
         timeouts=Timeouts(connect_seconds=t.connect_seconds, render_seconds=t.render_seconds,
                           prefill_seconds=t.prefill_seconds, decode_seconds=t.decode_seconds),

@@ -277,6 +277,10 @@ class RouterSpec(WireModel):
     prefill_failure_policy: Literal["fallback", "fail"] = Field(
         "fallback", description="fallback: decode prefills locally when prefill fails; fail: return an error."
     )
+    render_failure_policy: Literal["fail", "decodeRenders"] = Field(
+        "fail", description="The render (or derender) pool unavailable: fail: a 503 that says so; decodeRenders: the "
+        "decode engine, which has the tokenizer, chat template and parsers, answers the request itself as a coupled "
+        "server would (no prefill leg), while the sidecar stays ready (docs/security.md).")
     max_body_bytes: int = Field(16 * 1024 * 1024, description="Largest accepted request body.")
     session_stream_interval: int | None = Field(
         None, description="Tokens per decode chunk of a stream derendered by a render-tier session (it splits them per "

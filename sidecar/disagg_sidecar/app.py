@@ -28,6 +28,7 @@ from disagg_sidecar.upstream.discovery import make_source
 from disagg_sidecar.upstream.endpoints import EndpointPool
 from disagg_sidecar.upstream.enginemetrics import EngineMetrics
 from disagg_sidecar.errors import SidecarError, error_bytes
+from disagg_sidecar.pipeline.coupled import DecodeAlone
 from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
@@ -174,9 +175,10 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     app[SCRAPE] = EngineMetrics(upstream, app[METRICS], config.metrics)
     state = app[STATE]
     kv = get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector else None
-    app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv),
-                       Decoder(config, upstream, app[METRICS], state.answers), state.capabilities,
-                       state.model_name, state.decode_release)
+    decoder = Decoder(config, upstream, app[METRICS], state.answers)
+    app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv), decoder, state.capabilities,
+                       state.model_name, state.decode_release,
+                       DecodeAlone(config, upstream, app[METRICS], decoder), state.tiers_up)
     await _probe(app)
     prober = asyncio.create_task(_probe_forever(app))
     try:

@@ -13,6 +13,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
         output_modes: [tokens, text, derender]
         streaming_output_modes: [tokens, text, derender]
     render:   {mode: remote, urls: [http://qwen-render.ns.svc:8200]}   # or url: ..., or mode: local
+              # failure_policy: fail (503) | decode (the decode engine answers while render is down)
     derender: {mode: remote, url: http://qwen-derender.ns.svc:8200}    # mode: local: decode does it
     prefill:
       mode: remote                       # local: decode prefills itself (no prefill pool)
@@ -209,6 +210,14 @@ class Tier(Model):
         return self
 
 
+class RenderTier(Tier):
+    """The render tier, and what a request gets while it is down."""
+
+    failure_policy: Literal["fail", "decode"] = Field(
+        "fail", description="The render (or derender) tier unavailable: fail: a 503 saying so; decode: the decode "
+        "engine answers the client's request itself on its own OpenAI route, as a coupled server (no prefill leg).")
+
+
 class Prefill(Model):
     mode: Literal["remote", "local"] = "remote"
     discovery: Discovery | None = Field(None, discriminator="kind")
@@ -268,8 +277,8 @@ class Limits(Model):
     max_json_depth: int = Field(64, ge=2, le=512)
     header_read_seconds: float = Field(10, gt=0, description="To complete headers; also the idle keep-alive.")
     body_read_seconds: float = Field(30, gt=0, description="From the headers to the whole body: then 408.")
-    memory_budget_bytes: int = Field(256 << 20, ge=16 << 20, description="Bodies in the sidecar, 4 bytes per "
-                                                                         "body byte; beyond: 503 + Retry-After.")
+    memory_budget_bytes: int = Field(256 << 20, ge=16 << 20, description="Bodies in the sidecar (4 bytes per "
+                                     "body byte) and the upstream answers they hold (budget.py); beyond: 503 + Retry-After.")
     max_connections_per_ip: int = Field(0, ge=0, description="Per client address (429 past it); 0: no cap.")
     max_logprobs: int | None = Field(None, ge=-1, description="Logprobs a client may ask for; None: the engines' limit.")
     max_upstream_connections: int = Field(1024, ge=8, description="Connections to the engines at once, every tier "
@@ -345,7 +354,7 @@ class SidecarConfig(Model):
     served_model_name: str | None = None
     listen: Listen = Field(default_factory=Listen)
     decode: Decode
-    render: Tier = Field(default_factory=lambda: Tier(mode="local"))
+    render: RenderTier = Field(default_factory=lambda: RenderTier(mode="local"))
     derender: Tier | None = Field(None, description="None: the render tier derenders too.")
     prefill: Prefill = Field(default_factory=lambda: Prefill(mode="local"))
     kv_connector: str | None = None

@@ -42,6 +42,10 @@ class SidecarError(Exception):
         # After a stream's first byte: whether ``[DONE]`` follows the error event (as vLLM sends it);
         # not when an upstream stream ended without its own end, so no client takes it for complete.
         self.done = done
+        # A leg that failed (``pipeline.failures.leg_failure``): which, and whether its tier was
+        # unavailable (not a bad answer): the render failure policy reads them.
+        self.leg: str | None = None
+        self.unavailable = False
         self.status = status
         self.message = message
         self.headers = dict(headers or {})

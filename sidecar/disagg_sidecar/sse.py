@@ -22,9 +22,22 @@ class SSEParser:
 
     def __init__(self, max_event: int | None = None) -> None:
         self._buf = b""
+        self._parts: list[bytes] = []  # reads with no event end in them yet, joined once one comes
+        self._size = 0
         self.max_event = max_event
 
     def feed(self, data: bytes) -> list[bytes]:
+        last = (self._parts[-1] if self._parts else self._buf)[-1:]
+        if b"\n\n" not in data and b"\r" not in data and last + data[:1] != b"\n\n" and last != b"\r":
+            # No event ends here: kept as it is (a long event grows linearly, not by a copy per read).
+            self._parts.append(data)
+            self._size += len(data)
+            if self.max_event is not None and len(self._buf) + self._size > self.max_event:
+                raise EventTooLarge(f"an event of more than {self.max_event} bytes")
+            return []
+        if self._parts:
+            self._buf = b"".join([self._buf, *self._parts])
+            self._parts, self._size = [], 0
         split_crlf = self._buf.endswith(b"\r")
         self._buf += data
         if split_crlf or b"\r" in data:
@@ -38,10 +51,16 @@ class SSEParser:
     @property
     def pending(self) -> bool:
         """Bytes of an event not complete yet (other than blank lines)."""
-        return bool(self._buf.strip())
+        return bool(self._buf.strip()) or any(p.strip() for p in self._parts)
+
+    def discard(self) -> None:
+        """Drop what is buffered: a failed stream's frames may outlive it in a reference cycle
+        (its exception's traceback) until the garbage collector runs."""
+        self._buf, self._parts, self._size = b"", [], 0
 
     def flush(self) -> list[bytes]:
-        rest, self._buf = self._buf, b""
+        rest, self._buf = b"".join([self._buf, *self._parts]), b""
+        self._parts, self._size = [], 0
         payload = _payload(rest)
         return [payload] if payload is not None else []
 

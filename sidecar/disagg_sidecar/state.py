@@ -104,7 +104,14 @@ class SidecarState:
         return [f"{t} unreachable" for t in self._optional() if t in self.tiers() and not self.healthy.get(t)]
 
     def _optional(self) -> tuple[str, ...]:
-        return ("prefill",) if self.config.prefill.failure_policy == "fallback" else ()
+        """Tiers a request can do without: prefill under ``failure_policy: fallback`` (decode
+        prefills), render and derender under ``render.failure_policy: decode`` (decode answers)."""
+        return (*(("prefill",) if self.config.prefill.failure_policy == "fallback" else ()),
+                *(("render", "derender") if self.config.render.failure_policy == "decode" else ()))
+
+    def tiers_up(self) -> bool:
+        """The render and derender tiers answer their probes (or are the decode engine itself)."""
+        return all(self.healthy.get(t, True) for t in ("render", "derender") if t in self.tiers())
 
     def start_draining(self) -> None:
         self.draining = True

@@ -40,6 +40,7 @@ METRICS: Final = "/metrics"
 REQUEST_ID: Final = "X-Request-Id"
 PREFILLER_HOST_PORT: Final = "x-prefiller-host-port"
 PREFILL_OUTCOME: Final = "x-disagg-prefill"
+RENDER_OUTCOME: Final = "x-disagg-render"  # "decode": the decode engine answered itself (render.failure_policy)
 TRACEPARENT: Final = "traceparent"
 TRACESTATE: Final = "tracestate"
 FORWARDED_HEADERS: Final = (TRACEPARENT, TRACESTATE)

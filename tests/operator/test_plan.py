@@ -12,7 +12,7 @@ from disagg_operator.plan import Role, build_plan
 from disagg_operator.pool_plan import POD_IP
 from disagg_operator.manifest import parse_manifest, parse_spec
 from disagg_operator.spec import SpecError
-from disagg_sidecar.config import dump_config
+from disagg_sidecar.config import SidecarConfig, dump_config
 from disagg_sidecar.connectors import NixlConnector
 from tests.operator.builders import (
     PARSER_FLAGS, TEMPLATE, TOKENIZER_FLAGS, argv, env, example_doc, flags, full_spec, plan_of, sidecar_file,
@@ -146,6 +146,15 @@ def test_sidecar_config_names_the_services() -> None:
     assert config["timeouts"]["prefill_seconds"] == 60
     assert config["served_model_name"] == "qwen3-8b"
     assert plan.endpoint == "http://qwen3-8b.prod.svc:8000"
+
+
+def test_render_failure_policy_reaches_the_sidecar_config() -> None:
+    """Unset: the sidecar's default (fail), nothing written; decodeRenders: decode answers itself."""
+    assert "failure_policy" not in sidecar_file(plan_of(full_spec()))["render"]
+    plan = plan_of(merged(full_spec(), {"router": {"renderFailurePolicy": "decodeRenders"}}))
+    assert sidecar_file(plan)["render"] == {"mode": "remote", "urls": ["http://qwen3-8b-render.prod.svc:8200"],
+                                            "failure_policy": "decode"}
+    assert SidecarConfig.model_validate(sidecar_file(plan)).render.failure_policy == "decode"
 
 
 def test_derender_shares_the_render_pool_by_default() -> None:

@@ -86,6 +86,8 @@ def test_camel_case_on_the_wire_snake_case_in_python() -> None:
      "Input should be a valid integer, unable to parse string as an integer"),
     ({"model": {"source": "/m"}, "router": {"prefillFailurePolicy": "retry"}},
      "spec.router.prefillFailurePolicy: Input should be 'fallback' or 'fail'"),
+    ({"model": {"source": "/m"}, "router": {"renderFailurePolicy": "decode"}},
+     "spec.router.renderFailurePolicy: Input should be 'fail' or 'decodeRenders'"),
 ])
 def test_schema_errors_are_located_and_readable(spec: dict, problem: str) -> None:
     with pytest.raises(SpecError) as err:

@@ -12,14 +12,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
 from aiohttp import web
 
 from disagg_sidecar.keys import STATE
+from disagg_sidecar.plan import legs
 from tests.sidecar import upstreams as fake
-from tests.sidecar.support import SERVED, run_sidecar, wait_for
+from tests.sidecar.hostile import MiB
+from tests.sidecar.support import SERVED, run_sidecar, sidecar_process, wait_for
 from tests.sidecar.upstreams import (  # noqa: F401 (fixtures)
     CHAT, COMPLETION, Upstreams, assert_clean, assert_healthy, module_ups, openai_error, post, read_stream, ups,
 )
@@ -90,6 +93,72 @@ def test_an_answer_over_its_legs_size_bound_is_a_502_and_never_held_whole(ups: U
         assert_healthy(sidecar, ups)
 
 
+BUDGET_REFUSAL = ("The sidecar's memory budget cannot hold the {}'s answer now (limits.memory_budget_bytes)")
+
+
+def test_upstream_answers_are_counted_in_the_memory_budget(ups: Upstreams, tmp_path: Path) -> None:
+    """A real ``disagg sidecar`` process with a 64 MiB budget: a 48 MiB decode answer, 2 M token ids
+    from render, eight concurrent 12 MiB decode answers (each within its leg's 64 MiB bound) and
+    eight concurrent streams with an 8 MiB event each are refused with a 503 (in a stream: its error
+    event) that names the budget once they would not fit, so the process's peak RSS grows by less
+    than the budget; the sidecar serves normally after."""
+    budget = 64 * MiB
+    huge = json.dumps({**fake.text_answer(None), "padding": "x" * (48 * MiB)}).encode()
+    large = json.dumps({**fake.text_answer(None), "padding": "x" * (12 * MiB)}).encode()
+    ids = json.dumps({**fake.rendered(), "token_ids": [151643] * 2_000_000}).encode()
+    config = fake.config(ups, limits={"memory_budget_bytes": budget})
+    with sidecar_process(config, tmp_path) as sidecar:
+        assert post(sidecar.url, "/v1/chat/completions", CHAT).status_code == 200  # warm
+        base = sidecar.status("VmRSS")
+        sidecar.reset_peak()
+        for tier, path, data, who in ((ups.decode, "/inference/v1/generate", huge, "decode engine"),
+                                      (ups.render, "/v1/chat/completions/render", ids, "render tier")):
+            ups.reset()
+            tier.routes[path] = fake.answer_raw(data)
+            resp = post(sidecar.url, "/v1/chat/completions", CHAT, timeout=120)
+            assert resp.status_code == 503 and resp.headers["Retry-After"] == "1", resp.text[:300]
+            assert openai_error(resp)["message"] == BUDGET_REFUSAL.format(who)
+            assert len(tier.posts(path)) == 1, "no retry: the endpoint is not at fault"
+        ups.reset()
+        ups.decode.routes["/inference/v1/generate"] = fake.answer_raw(large)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: post(sidecar.url, "/v1/chat/completions", CHAT, timeout=120), range(8)))
+        refused = [r for r in answers if r.status_code == 503]
+        assert refused and all(openai_error(r)["message"] == BUDGET_REFUSAL.format("decode engine") for r in refused)
+        assert all(r.json()["choices"][0]["message"]["content"] == fake.ANSWER for r in answers if r.status_code == 200)
+        assert {r.status_code for r in answers} <= {200, 503}
+        # Streams: eight at once, each with an 8 MiB event (within upstream_event_bytes, 16 MiB).
+        ups.reset()
+        first, rest = fake.text_events()
+        ups.decode.routes["/inference/v1/generate"] = fake.stream_raw(fake.sse_bytes(
+            [{**first, "padding": "x" * (8 * MiB)}, rest]))
+        with ThreadPoolExecutor(8) as pool:
+            streams = list(pool.map(lambda _: post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True},
+                                                   timeout=120), range(8)))
+        cut = 0
+        for resp in streams:
+            if resp.status_code == 503:
+                assert openai_error(resp)["message"] == BUDGET_REFUSAL.format("decode engine")
+                cut += 1
+                continue
+            events = read_stream(resp)
+            assert events[-1] == "[DONE]", events[-2:]
+            if "error" in events[-2]:
+                assert events[-2]["error"]["message"] == BUDGET_REFUSAL.format("decode engine")
+                cut += 1
+            else:
+                assert "".join(c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"]) == fake.ANSWER
+        peak = sidecar.status("VmHWM")
+        print(f"RSS {base / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB (+{(peak - base) / MiB:.0f}); "
+              f"{len(refused)} of 8 concurrent answers refused, {cut} of 8 streams")
+        assert cut, "some streams did not fit"
+        assert peak - base < budget, (base, peak)
+        ups.reset()
+        assert requests.get(sidecar.url + "/health", timeout=10).status_code == 200
+        resp = post(sidecar.url, "/v1/chat/completions", CHAT)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == fake.ANSWER
+
+
 @pytest.mark.parametrize("path, body", [
     ("/inference/v1/generate", {"token_ids": [2**63] * 20, "sampling_params": {"max_tokens": 1}}),
     ("/inference/v1/generate", {"token_ids": [2**31], "sampling_params": {"max_tokens": 1}}),
@@ -104,6 +173,47 @@ def test_token_ids_no_vocabulary_has_are_a_400_before_any_leg(ups: Upstreams, pa
         assert resp.status_code == 400 and openai_error(resp)["type"] == "BadRequestError", resp.text
         assert not any(u.posts() for u in ups.all()), "nothing was sent"
         assert_healthy(sidecar, ups)
+
+
+def test_a_streamed_completions_request_parses_its_body_once_for_all_its_prompts(
+        ups: Upstreams, monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 prompts and a 1 MiB suffix: the parser context is made once per request (it was once per
+    prompt: 64 parses of the whole body), and each prompt's chained derender calls carry that one
+    context (the stateless protocol's ``completion_request``), never the prompts' text."""
+    made = []
+    real = legs.parser_context
+    monkeypatch.setattr(legs, "parser_context", lambda *a: made.append(1) or real(*a))  # a counting spy
+    tokens = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+
+    async def generate(request: web.Request, body: Any) -> web.StreamResponse:
+        if body.get("stream"):
+            return await fake.stream_raw(fake.sse_bytes(fake.tokens_answer(True)))(request, body)
+        return await fake.DEFAULT_ROUTES["/inference/v1/generate"](request, body)
+
+    async def derender(request: web.Request, body: Any) -> web.StreamResponse:
+        gen = body["generate_chunk"]["choices"][0]
+        return web.json_response({"chunk": {"id": "x", "object": "text_completion", "choices": [
+            {"index": 0, "text": "w" * len(gen["token_ids"]), "finish_reason": gen.get("finish_reason")}]},
+            "stream_state": {"n": 1}})
+    ups.decode.routes["/inference/v1/generate"] = generate
+    ups.render.routes["/v1/completions/derender"] = derender
+    suffix = "s" * MiB
+    body = {**COMPLETION, "prompt": [f"prompt number {i}" for i in range(64)], "suffix": suffix, "stream": True}
+    config = fake.config(ups, decode={"capabilities": tokens}, limits={"coalesce": False})
+    with run_sidecar(config) as sidecar:
+        started = time.process_time()
+        resp = post(sidecar.url, "/v1/completions", body, timeout=120)
+        cpu = time.process_time() - started
+        events = read_stream(resp)
+    assert resp.status_code == 200 and events[-1] == "[DONE]", events[-2:]
+    assert len(made) == 1, f"{len(made)} parses of the body"
+    calls = ups.render.posts("/v1/completions/derender")
+    assert len(calls) == 64 * 2  # two chunks per prompt, one call each (no coalescing)
+    for call in calls:
+        assert call.body["completion_request"]["suffix"] == suffix
+        assert "prompt number" not in json.dumps(call.body)
+    print(f"64 prompts, {len(calls)} derender calls of {len(json.dumps(calls[0].body)) >> 20} MiB each; "
+          f"test process CPU {cpu:.2f} s")
 
 
 # -- 7. probes, metrics and the drain hook -----------------------------------------------------------------

@@ -135,6 +135,7 @@ async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse
             raw, body = await read_json(request, reservation)
             plan = plan_request(api, body, state.capabilities(), state.config)
             ctx = context(request, body)
+            ctx.reservation = reservation
         finally:
             state.done_reading()
         if not state.try_reserve():
@@ -157,15 +158,9 @@ def _no_slot(request: web.Request) -> SidecarError:
 async def _run(request: web.Request, plan: RequestPlan, raw: bytes, body: Any, ctx: Context) -> web.StreamResponse:
     flows: Flows = request.app[FLOWS]
     try:
-        if plan.api == "chat":
-            return await flows.chat(request, raw, body, plan, ctx)
-        if plan.api == "completions":
-            return await flows.completions(request, raw, body, plan, ctx)
-        if plan.api == "messages":
-            return await flows.messages(request, raw, body, plan, ctx)
-        if plan.api == "count_tokens":
-            return await flows.count_tokens(raw, body, ctx)
-        return await flows.generate(request, body, plan, ctx)
+        if plan.api == "generate":
+            return await flows.generate(request, body, plan, ctx)
+        return await flows.serve(request, raw, body, plan, ctx)
     except (asyncio.CancelledError, ConnectionResetError):
         request.app[UPSTREAM].abort(ctx.inflight)  # the client is gone
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disagg_sidecar.budget import Reservation
 from disagg_sidecar.plan import legs
 from disagg_sidecar import wire
 from disagg_sidecar.upstream.client import InFlight
@@ -20,6 +21,7 @@ class Context:
     engine_id: str | None = None  # X-Request-Id of the engine legs, unique per request; None: request_id
     inflight: InFlight = field(init=False)
     prefill_outcomes: set[str] = field(default_factory=set)
+    reservation: Reservation | None = None  # its memory budget: upstream answers are charged to it
 
     def __post_init__(self) -> None:
         engine_id = self.engine_id or self.request_id

@@ -28,6 +28,7 @@ from disagg_sidecar import sse
 from disagg_sidecar.derender import stream
 from disagg_sidecar import wire
 from disagg_sidecar.pipeline.clientstream import SSEWriter
+from disagg_sidecar.budget import Charge
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
@@ -123,7 +124,7 @@ class Decoder:
         """The prompt's logprobs from the decode engine, for a streamed request (``legs.prompt_logprobs_leg``)."""
         try:
             async with self.up.decode(sse.dumps(legs.prompt_logprobs_leg(gen)), ctx.headers, ctx.inflight) as resp:
-                status, raw = resp.status, await self._read(resp)
+                status, raw = resp.status, await self.read(resp, ctx)
         except LegError as exc:
             raise leg_failure(exc) from exc
         if status != 200:
@@ -134,13 +135,15 @@ class Decoder:
                     ctx: Context, chat_raw: bytes | None) -> Any:
         """The decode answer, parsed and checked (``answers``: a 502 otherwise)."""
         async def read(resp: aiohttp.ClientResponse, modes: Modes) -> Any:
-            answer = self._checked(await self._read(resp), choices_of(gen))
+            answer = self._checked(await self.read(resp, ctx), choices_of(gen))
             modes.answered = decisions.answered_mode(answer)
             return answer
         return await self.call(gen, kv, plan, ctx, chat_raw, read)
 
-    async def _read(self, resp: aiohttp.ClientResponse) -> bytes:
-        return await read_bounded(resp, "decode", self.up.decode_url, self.config.limits.decode_answer_bytes)
+    async def read(self, resp: aiohttp.ClientResponse, ctx: Context) -> bytes:
+        """A batch answer, charged to the request's memory budget (held until the request ends)."""
+        charge = Charge(ctx.reservation) if ctx.reservation is not None else None
+        return await read_bounded(resp, "decode", self.up.decode_url, self.config.limits.decode_answer_bytes, charge)
 
     def _checked(self, raw: bytes, n: int) -> Any:
         try:
@@ -153,7 +156,7 @@ class Decoder:
                      writer: SSEWriter, shaper: Shaper) -> Any:
         """Stream one prompt's decode leg to the client; returns its usage (sent by the caller)."""
         async def read(resp: aiohttp.ClientResponse, modes: Modes) -> Any:
-            return await self._relay(resp, plan, modes, stream_call, writer, shaper, choices_of(gen))
+            return await self._relay(resp, plan, modes, stream_call, writer, shaper, choices_of(gen), ctx)
         return await self.call(gen, kv, plan, ctx, chat_raw, read)
 
     async def passthrough(self, request: web.Request, body: Mapping[str, Any], plan: RequestPlan,
@@ -168,16 +171,16 @@ class Decoder:
                     raise self.error(resp.status, await read_bounded(resp, "decode", self.up.decode_url, ERROR_BYTES))
                 n = choices_of(body)
                 if not plan.stream:
-                    raw = await self._read(resp)
+                    raw = await self.read(resp, ctx)
                     self._checked(raw, n)
                     return web.Response(body=raw, status=resp.status, content_type="application/json",
                                         headers=ctx.response_headers())
                 writer = SSEWriter(request, ctx.response_headers())
                 await writer.start()
+                ended = StreamEnd(n)
+                parser = sse.SSEParser(self.config.limits.upstream_event_bytes)
                 try:
-                    ended = StreamEnd(n)
-                    parser = sse.SSEParser(self.config.limits.upstream_event_bytes)
-                    async for data in chunks(resp, "decode", self.up.decode_url):  # events as they complete
+                    async for data in chunks(resp, "decode", self.up.decode_url, ctx.reservation):  # as they complete
                         out = []
                         for payload in parser.feed(data):
                             event = ended.see(payload)
@@ -193,16 +196,19 @@ class Decoder:
                     await writer.write(sse.DONE_EVENT)
                 except LegError as exc:
                     log.warning("generate stream failed after the first byte: %s", exc)
-                    await writer.fail(502, f"The decode engine failed: {exc.kind}")
+                    err = leg_failure(exc)
+                    await writer.fail(err.status, err.message)
                 except ValueError as exc:  # InvalidAnswer, EventTooLarge
                     err = invalid_answer("decode", exc, self.up.decode_url)
                     await writer.fail(err.status, err.message, done=False)
+                finally:
+                    parser.discard()
                 return writer.response
         except LegError as exc:
             raise leg_failure(exc) from exc
 
     async def _relay(self, resp: aiohttp.ClientResponse, plan: RequestPlan, modes: Modes,
-                     stream_call: chained.StreamCall, writer: SSEWriter, shaper: Shaper, n: int) -> Any:
+                     stream_call: chained.StreamCall, writer: SSEWriter, shaper: Shaper, n: int, ctx: Context) -> Any:
         """The decode stream to the client: inline chunks shaped, tokens chunks chained. Each event
         is checked (``answers``); a stream that ends without its end is an error, not a short answer."""
         usage: list[Any] = []
@@ -224,7 +230,7 @@ class Decoder:
         ended = StreamEnd(n)
         error: dict[str, Any] | None = None
         try:
-            async for data in chunks(resp, "decode", self.up.decode_url):
+            async for data in chunks(resp, "decode", self.up.decode_url, ctx.reservation):
                 for payload in parser.feed(data):
                     event = ended.see(payload)
                     if event is None:
@@ -250,6 +256,7 @@ class Decoder:
         except ValueError as exc:  # InvalidAnswer, EventTooLarge: the stream is not the client's answer
             raise invalid_answer("decode", exc, self.up.decode_url) from exc
         finally:
+            parser.discard()
             if chain is not None:
                 await chain.cancel()
         if error is not None:

@@ -21,7 +21,18 @@ BAD_ANSWERS = {"redirect": "a redirect, which the sidecar does not follow", "inv
 
 def leg_failure(exc: LegError) -> SidecarError:
     """A leg that failed after its retries, as the client sees it (the details only in the log)."""
+    err = _leg_failure(exc)
+    err.leg, err.unavailable = exc.leg, exc.kind not in (*BAD_ANSWERS, "budget")
+    return err
+
+
+def _leg_failure(exc: LegError) -> SidecarError:
     log.warning("%s", exc)
+    if exc.kind == "budget":  # no endpoint's fault: the sidecar holds too much for others now
+        who = "decode engine" if exc.leg == "decode" else f"{exc.leg} tier"
+        return SidecarError(503, f"The sidecar's memory budget cannot hold the {who}'s answer now "
+                                 "(limits.memory_budget_bytes)", type_="ServiceUnavailableError",
+                            headers={"Retry-After": "1"})
     if exc.kind in BAD_ANSWERS:
         who = "decode engine" if exc.leg == "decode" else f"{exc.leg} tier"
         why = f" (status {exc.status})" if exc.kind == "redirect" and exc.status else \

@@ -11,6 +11,8 @@ shapes from ``shapes``; the legs are called by ``poollegs`` (render, derender, p
   from it, planned as chat (``request.derived_chat``);
 - a ``GenerateRequest`` client gets its prefill leg rewritten and the decode answer passed
   through (``Decoder.passthrough``);
+- the render or derender tier down under ``render.failure_policy: decode``: the decode engine
+  answers the client's request itself (``coupled``);
 - client disconnect: upstream streams are closed and ``handlers`` has the engines still working
   on the request abort it.
 """
@@ -18,6 +20,7 @@ shapes from ``shapes``; the legs are called by ``poollegs`` (render, derender, p
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -38,11 +41,14 @@ from disagg_sidecar import vllm_releases, wire
 from disagg_sidecar.pipeline.clientstream import SSEWriter, run_stream
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.pipeline.context import Context
+from disagg_sidecar.pipeline.coupled import DecodeAlone
 from disagg_sidecar.pipeline.decoding import Decoder
 from disagg_sidecar.pipeline.poollegs import PoolLegs, Prefilled
 from disagg_sidecar.derender.usage import total_usage
 from disagg_sidecar.errors import SidecarError
 
+
+log = logging.getLogger(__name__)
 
 Send = Callable[[Mapping[str, Any]], Awaitable[None]]
 # Render's answer -> the chat request the parsers read, its bytes and its plan.
@@ -80,6 +86,34 @@ class Flows:
     capabilities: Callable[[], Capabilities]  # what the decode engine may be asked for now (derived plans)
     model_name: Callable[[], str | None]
     decode_release: Callable[[], vllm_releases.Release | None] = lambda: None  # as the engine reported it
+    alone: DecodeAlone | None = None  # the decode engine answering itself (render.failure_policy decode)
+    tiers_up: Callable[[], bool] = lambda: True  # the render and derender tiers answer their probes
+
+    async def serve(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
+                    ctx: Context) -> web.StreamResponse:
+        """A request of an API that needs the render tier: through the tiers, or, under
+        ``render.failure_policy: decode``, answered by the decode engine itself while the render or
+        derender tier is down (known from the probes, or found by a leg before the first byte)."""
+        policy = self.config.render.failure_policy
+        if self.alone is not None and decisions.render_route(plan.api, policy, self.tiers_up()) == "decode":
+            return await self.alone.answer(request, raw, body, plan, ctx, "tier down")
+        try:
+            return await self._through_tiers(request, raw, body, plan, ctx)
+        except SidecarError as exc:
+            if self.alone is None or not decisions.decode_answers_instead(plan.api, policy, exc.leg, exc.unavailable):
+                raise
+            log.warning("the %s leg failed (%s): the decode engine answers itself", exc.leg, exc.message)
+            return await self.alone.answer(request, raw, body, plan, ctx, "leg failed")
+
+    async def _through_tiers(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
+                             ctx: Context) -> web.StreamResponse:
+        if plan.api == "chat":
+            return await self.chat(request, raw, body, plan, ctx)
+        if plan.api == "completions":
+            return await self.completions(request, raw, body, plan, ctx)
+        if plan.api == "messages":
+            return await self.messages(request, raw, body, plan, ctx)
+        return await self.count_tokens(raw, body, ctx)
 
     def _shape(self, plan: RequestPlan, gen: Mapping[str, Any], prefilled: Prefilled, created: int,
                response_id: str, index_offset: int = 0) -> shapes.Shape:
@@ -197,8 +231,12 @@ class Flows:
         def shape(i: int, prefilled: Prefilled) -> shapes.Shape:
             return self._shape(plan, gens[i], prefilled, created, response_id, index_offset=i * n)
 
+        context: list[bytes] = []  # the parser context, parsed out of the body once for every prompt
+
         def derender(gen: Mapping[str, Any]) -> legs.DerenderLeg:
-            return legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS])
+            if not context:
+                context.append(legs.parser_context(raw, "completions"))
+            return legs.DerenderLeg("completions", raw, gen[wire.TOKEN_IDS], context=context[0])
 
         texts = echoes.prompt_texts(body.get("prompt"), len(gens))
         with_logprobs = answer.completion_logprobs is not None

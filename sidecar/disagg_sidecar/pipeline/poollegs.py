@@ -49,19 +49,24 @@ class PoolLegs:
     connector: KVConnector | None  # None: no prefill pool
 
     async def call(self, tier: TierLeg, path: str, body: bytes, ctx: Context,
-                   check: Callable[[Any], Any] | None = None) -> Any:
-        """A render or derender leg's JSON answer, ``check``ed (``answers``: a 502 otherwise)."""
+                   check: Callable[[Any], Any] | None = None, keep: bool = True) -> Any:
+        """A render or derender leg's JSON answer, ``check``ed (``answers``: a 502 otherwise). Its
+        cost stays charged to the request's memory budget while the request runs (``keep``), or
+        is given back once it is parsed (a stream's derender calls: one after the other)."""
         try:
-            reply = await self.up.call(tier, path, body, ctx.headers)
+            reply = await self.up.call(tier, path, body, ctx.headers, held=ctx.reservation)
         except LegError as exc:
             raise leg_failure(exc) from exc
-        if reply.status != 200:
-            raise SidecarError.upstream(reply.status, reply.body, tier)
         try:
+            if reply.status != 200:
+                raise SidecarError.upstream(reply.status, reply.body, tier)
             parsed = answers.parse(reply.body)
             return check(parsed) if check is not None else parsed
         except answers.InvalidAnswer as exc:
             raise invalid_answer(tier, exc, reply.url) from exc
+        finally:
+            if reply.charge is not None and (not keep or reply.status != 200):
+                reply.charge.give_back()
 
     async def render_chat(self, raw: bytes, ctx: Context, n: int, path: str = wire.CHAT_RENDER) -> dict[str, Any]:
         """Render a chat request (or a request vLLM renders as chat, at ``path``): one GenerateRequest."""
@@ -82,7 +87,7 @@ class PoolLegs:
             self.metrics.derender_calls.labels(kind).inc()
             check = (lambda a: answers.derendered_chunk(a, bound)) if kind == "stream" else \
                 (lambda a: answers.derendered(a, bound))
-            return await self.call("derender", path, body, ctx, check)
+            return await self.call("derender", path, body, ctx, check, keep=kind != "stream")
         return call
 
     async def prefill(self, gen: Mapping[str, Any], ctx: Context) -> Prefilled:
@@ -95,9 +100,10 @@ class PoolLegs:
             self._count(ctx, route)
             return Prefilled()
         body = sse.dumps(legs.prefill_leg(gen, self.connector, tokens_only=self.config.prefill_tokens_only))
+        reply: Reply | None = None
         try:
-            reply = await self.up.call("prefill", wire.GENERATE, body, ctx.headers,
-                                       first=ctx.prefill_target, inflight=ctx.inflight, prompt=gen[wire.TOKEN_IDS])
+            reply = await self.up.call("prefill", wire.GENERATE, body, ctx.headers, first=ctx.prefill_target,
+                                       inflight=ctx.inflight, prompt=gen[wire.TOKEN_IDS], held=ctx.reservation)
             if reply.status != 200:
                 raise SidecarError.upstream(reply.status, reply.body, "prefill")
             params, kv = self._kv(reply)
@@ -105,7 +111,7 @@ class PoolLegs:
             if self.config.prefill.failure_policy == "fail":
                 self.metrics.prefill.labels("failed").inc()
                 log.warning("prefill failed (failure_policy fail): %s", exc)
-                if exc.kind in BAD_ANSWERS:
+                if exc.kind in BAD_ANSWERS or exc.kind == "budget":
                     bad = leg_failure(exc)
                     bad.headers[wire.PREFILL_OUTCOME] = "failed"
                     raise bad from exc
@@ -115,6 +121,9 @@ class PoolLegs:
             log.warning("prefill failed, decode prefills locally: %s", exc)
             self._count(ctx, "fallback")
             return Prefilled()
+        finally:
+            if reply is not None and reply.charge is not None:
+                reply.charge.give_back()  # the answer is done with: its kv_transfer_params are read
         self._count(ctx, "remote")
         return Prefilled(kv, cached_tokens(params))
 

@@ -153,3 +153,38 @@ def tokenized(answer: Any, texts: int) -> list[dict[str, Any]]:
     for gen in answer:
         _token_ids(_object(gen, "a tokenized text").get(wire.TOKEN_IDS), "a tokenized text's token_ids")
     return answer
+
+
+def coupled(answer: Any, api: str, n: int) -> dict[str, Any]:
+    """The decode engine's own answer on its OpenAI (or Anthropic) route, batch, for a request of
+    ``api`` with ``n`` choices in all (``render.failure_policy: decode``)."""
+    what = "the decode engine's answer"
+    out = _object(answer, what)
+    if "error" in out:
+        raise InvalidAnswer(f"{what} is an error")
+    if api in ("chat", "completions"):
+        if not isinstance(out.get("choices"), list) or not out["choices"]:
+            raise InvalidAnswer(f"{what} has no choices")
+        _choices(out, n, what)
+        _optional(out, "usage", dict, what)
+    elif api == "messages" and (out.get("type") != "message" or not isinstance(out.get("content"), list)):
+        raise InvalidAnswer(f"{what} is not a message")
+    elif api == "count_tokens" and type(out.get("input_tokens")) is not int:
+        raise InvalidAnswer(f"{what} has no input_tokens")
+    return out
+
+
+def coupled_event(event: Any, api: str, n: int) -> dict[str, Any]:
+    """One event of the decode engine's own stream (an OpenAI chunk, or a Messages event with its
+    ``type``); an error event is vLLM's own and passes as it is."""
+    what = "a decode stream event"
+    out = _object(event, what)
+    if "error" in out:
+        return out
+    if api == "messages":
+        if not isinstance(out.get("type"), str) or not out["type"].isidentifier():
+            raise InvalidAnswer(f"{what} has no type")
+        return out
+    _choices(out, n, what)
+    _optional(out, "usage", dict, what)
+    return out

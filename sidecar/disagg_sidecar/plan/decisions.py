@@ -99,6 +99,25 @@ def prefill_route(remote: bool, prompt_tokens: int, min_prompt_tokens: int) -> P
     return "remote"
 
 
+# Who answers a request that needs the render tier: the tiers (render -> prefill -> decode ->
+# derender), or the decode engine alone on its own OpenAI route (``render.failure_policy: decode``).
+RenderRoute = Literal["tiers", "decode"]
+DECODE_ANSWERS = ("chat", "completions", "messages", "count_tokens")  # the APIs decode then serves itself
+
+
+def render_route(api: Api, policy: str, tiers_up: bool) -> RenderRoute:
+    """``tiers_up``: the render and derender tiers answer their probes (or are the decode engine
+    itself). While one is down, ``decode`` sends the request to the decode engine straight away
+    (no connect timeouts first); ``fail`` still tries the tiers (a 503 when they fail)."""
+    return "decode" if policy == "decode" and api in DECODE_ANSWERS and not tiers_up else "tiers"
+
+
+def decode_answers_instead(api: Api, policy: str, leg: str | None, unavailable: bool) -> bool:
+    """A request whose render or derender leg found its tier unavailable (not reachable, timed out,
+    5xx: not a bad answer, which is a 502 under every policy) before the client's first byte."""
+    return policy == "decode" and api in DECODE_ANSWERS and leg in ("render", "derender") and unavailable
+
+
 def check_openai_request(api: Api, body: Any) -> int:
     """What the sidecar itself relies on; the render tier validates the rest like vLLM does.
     Returns the request's ``n``."""

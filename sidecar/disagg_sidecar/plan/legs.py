@@ -198,26 +198,31 @@ class DerenderLeg:
     spliced in as the bytes they arrived as where possible.
     """
 
-    def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None):
+    def __init__(self, chain: str, client_body: bytes, prompt_token_ids: list[int], model: str | None = None,
+                 context: bytes | None = None):
+        """``context``: the request's ``parser_context``, when made once for its prompts already."""
         self.chain = chain
         self.path = wire.CHAT_DERENDER if chain == "chat" else wire.COMPLETIONS_DERENDER
-        client_body = self.context = parser_context(client_body, chain)
+        self.context = parser_context(client_body, chain) if context is None else context
         n = len(prompt_token_ids)
         ids = dumps(prompt_token_ids)
-        model_part = b'"model":' + dumps(model) + b"," if model else b""
+        self._model = b'"model":' + dumps(model) + b"," if model else b""
+        # The parts around the (shared) context, joined per call: a request's prompts hold one copy
+        # of the context between them, not one per prompt and kind of call.
+        context_key = b',"chat_request":' if chain == "chat" else b',"completion_request":'
         if chain == "chat":
-            self._batch_tail = b',"prompt_tokens":%d,"prompt_token_ids":%s,"chat_request":%s}' % (n, ids, client_body)
-            self._stream_tail = self._batch_tail
+            self._batch_ids = self._stream_ids = b',"prompt_tokens":%d,"prompt_token_ids":%s' % (n, ids)
         else:
-            self._batch_tail = (b'],"prompt_tokens":[%d],"prompt_token_ids":[%s],"completion_request":%s}'
-                                % (n, ids, client_body))
-            self._stream_tail = b',"prompt_tokens":%d,"prompt_token_ids":%s,"completion_request":%s}' % (n, ids, client_body)
-        self._model = model_part
+            self._batch_ids = b'],"prompt_tokens":[%d],"prompt_token_ids":[%s]' % (n, ids)
+            self._stream_ids = b',"prompt_tokens":%d,"prompt_token_ids":%s' % (n, ids)
+        self._context_key = context_key
 
     def batch(self, generate_response: bytes) -> bytes:
         key = b'"generate_response":' if self.chain == "chat" else b'"generate_responses":['
-        return b"{" + self._model + key + generate_response + self._batch_tail
+        return b"".join((b"{", self._model, key, generate_response, self._batch_ids, self._context_key,
+                         self.context, b"}"))
 
     def stream(self, generate_chunk: Mapping[str, Any], stream_state: Any) -> bytes:
-        return (b'{"stream":true,' + self._model + b'"generate_chunk":' + dumps(generate_chunk)
-                + b',"stream_state":' + dumps(stream_state) + self._stream_tail)
+        return b"".join((b'{"stream":true,', self._model, b'"generate_chunk":', dumps(generate_chunk),
+                         b',"stream_state":', dumps(stream_state), self._stream_ids, self._context_key,
+                         self.context, b"}"))

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import aiohttp
 
 from disagg_sidecar import wire
+from disagg_sidecar.budget import ANSWER_BYTE_COST, STREAM_BYTE_COST, Charge, Reservation, answer_values_cost
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.upstream.endpoints import EndpointPool
 from disagg_sidecar.metrics import Metrics, api_var
@@ -71,25 +72,53 @@ def transport_error(leg: Leg, url: str, exc: BaseException) -> LegError:
     return LegError(leg, kind, url, detail=str(exc))
 
 
-async def chunks(resp: aiohttp.ClientResponse, leg: Leg, url: str) -> AsyncIterator[bytes]:
-    """A leg's streamed answer, bytes as they come; a broken stream becomes a ``LegError``."""
+async def chunks(resp: aiohttp.ClientResponse, leg: Leg, url: str,
+                 held: Reservation | None = None) -> AsyncIterator[bytes]:
+    """A leg's streamed answer, bytes as they come; a broken stream becomes a ``LegError``. With
+    ``held``, what the reader holds of it (the chunk in hand and the event not complete yet, which
+    an SSE parser buffers, and what parsing them costs) is charged to the request's memory budget
+    (kind ``budget`` when that does not fit): the most it held at once, until the stream ends (the
+    reader's last event may outlive the next read)."""
+    charge = Charge(held) if held is not None else None
+    pending = 0  # bytes since the last event separator
     try:
         async for data in resp.content.iter_any():
+            if charge is not None:  # the events this chunk completes are the buffer and the chunk
+                if not charge.hold(max(charge.taken, STREAM_BYTE_COST * (pending + len(data)))):
+                    raise LegError(leg, "budget", url, resp.status, detail=f"{pending + len(data)} bytes of events")
+                end = data.rfind(b"\n\n")
+                pending = pending + len(data) if end < 0 else len(data) - end - 2
             yield data
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
         raise transport_error(leg, url, exc) from exc
+    finally:
+        if charge is not None:
+            charge.give_back()
 
 
-async def read_bounded(resp: aiohttp.ClientResponse, leg: Leg, url: str, limit: int) -> bytes:
+async def read_bounded(resp: aiohttp.ClientResponse, leg: Leg, url: str, limit: int,
+                       charge: Charge | None = None) -> bytes:
     """The whole body, refused (``LegError`` kind ``oversize``) as soon as it passes ``limit``:
-    an engine's answer is never held beyond its leg's bound (``limits.*_answer_bytes``)."""
+    an engine's answer is never held beyond its leg's bound (``limits.*_answer_bytes``). With
+    ``charge``, what holding and parsing it costs is taken from its request's memory budget as it
+    arrives (kind ``budget`` when that does not fit: read no further), given back on failure."""
     if resp.content_length is not None and resp.content_length > limit:
         raise LegError(leg, "oversize", url, resp.status, detail=f"{resp.content_length} bytes")
     body = bytearray()
-    async for chunk in resp.content.iter_any():
-        body += chunk
-        if len(body) > limit:
-            raise LegError(leg, "oversize", url, resp.status, detail=f"over {limit} bytes")
+    try:
+        async for chunk in resp.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise LegError(leg, "oversize", url, resp.status, detail=f"over {limit} bytes")
+            if charge is not None and not charge.take(ANSWER_BYTE_COST * len(chunk)):
+                raise LegError(leg, "budget", url, resp.status, detail=f"{len(body)} bytes read")
+        if charge is not None and not charge.take(answer_values_cost(body)):
+            raise LegError(leg, "budget", url, resp.status, detail=f"{len(body)} bytes to parse")
+    except BaseException:
+        body.clear()  # the exception's traceback keeps this frame (a cycle) until the collector runs
+        if charge is not None:
+            charge.give_back()
+        raise
     return bytes(body)
 
 
@@ -98,6 +127,7 @@ class Reply:
     status: int
     body: bytes
     url: str
+    charge: Charge | None = None  # its part of the request's memory budget
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -142,9 +172,11 @@ class Upstream:
 
     # -- one attempt ---------------------------------------------------------------------------
 
-    async def post(self, leg: Leg, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Reply:
-        """POST and read the whole answer; transport failures become ``LegError``."""
+    async def post(self, leg: Leg, url: str, path: str, body: bytes, headers: Mapping[str, str],
+                   held: Reservation | None = None) -> Reply:
+        """POST and read the whole answer (charged to ``held``); transport failures become ``LegError``."""
         started = time.monotonic()
+        charge = Charge(held) if held is not None else None
         try:
             async with self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
                                          timeout=self.timeouts[leg], **NO_REDIRECTS) as resp:
@@ -152,7 +184,7 @@ class Upstream:
                     raise LegError(leg, "redirect", url, resp.status)
                 if encoded(resp):
                     raise LegError(leg, "invalid", url, resp.status, detail="a compressed answer")
-                return Reply(resp.status, await read_bounded(resp, leg, url, self.answer_bytes[leg]), url)
+                return Reply(resp.status, await read_bounded(resp, leg, url, self.answer_bytes[leg], charge), url, charge)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             raise transport_error(leg, url, exc) from exc
         finally:
@@ -161,9 +193,11 @@ class Upstream:
     # -- a pool leg with retries ---------------------------------------------------------------
 
     async def call(self, leg: PoolLeg, path: str, body: bytes, headers: Mapping[str, str], *,
-                   first: str | None = None, inflight: InFlight | None = None, prompt: Sequence[int] = ()) -> Reply:
+                   first: str | None = None, inflight: InFlight | None = None, prompt: Sequence[int] = (),
+                   held: Reservation | None = None) -> Reply:
         """The leg on ``first`` (or a picked endpoint of its pool), retried elsewhere on failure;
-        2xx/4xx returned."""
+        2xx/4xx returned, its answer charged to ``held``. An answer the memory budget cannot hold
+        is no endpoint's fault: no retry."""
         pool = self.pools[leg]
         tried: list[str] = []
         error: LegError | None = None
@@ -183,8 +217,13 @@ class Upstream:
             reply: Reply | None = None
             try:
                 with pool.lease(url):
-                    reply = await self.post(leg, url, path, body, headers)
+                    reply = await self.post(leg, url, path, body, headers, held)
             except LegError as exc:
+                if exc.kind == "budget":
+                    if inflight is not None:
+                        inflight.urls.discard(url)
+                    self.metrics.leg_errors.labels(leg, exc.kind).inc()
+                    raise
                 error = exc
             if inflight is not None:
                 inflight.urls.discard(url)
@@ -203,15 +242,16 @@ class Upstream:
 
     @asynccontextmanager
     async def decode(self, body: bytes, headers: Mapping[str, str], inflight: InFlight | None = None,
-                     stream: bool = False) -> AsyncIterator[aiohttp.ClientResponse]:
-        """The local engine's response, open; leaving the block early closes the connection
+                     stream: bool = False, path: str = wire.GENERATE) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The local engine's response at ``path`` (its generate route, or an OpenAI route when it
+        answers a client's request itself), open; leaving the block early closes the connection
         (which makes vLLM abort the request)."""
         started = time.monotonic()
         url = self.decode_url
         if inflight is not None:
             headers = inflight.headers
         try:
-            resp = await self.session.post(url + wire.GENERATE, data=body, headers={**headers, **JSON_HEADERS},
+            resp = await self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
                                            timeout=self.stream_timeout if stream else self.timeouts["decode"],
                                            **NO_REDIRECTS)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
