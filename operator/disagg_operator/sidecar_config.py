@@ -13,7 +13,7 @@ from disagg_operator import engine_args, names
 from disagg_operator.spec import DisaggregatedModelSpec
 from disagg_sidecar.config import (
     TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Exposition, Limits, Listen, Prefill,
-    SidecarConfig, StaticDiscovery, Tier, Timeouts,
+    SidecarConfig, StaticDiscovery, Tier, Timeouts, TracingConfig,
 )
 from disagg_sidecar.config import Discovery
 
@@ -30,6 +30,14 @@ def auth(spec: DisaggregatedModelSpec) -> Auth:
     files = {"engine_api_key_file": f"{ENGINE_KEY_DIR}/{names.API_KEY_KEY}" if security.engine_api_key.enabled else None,
              "client_api_key_file": f"{CLIENT_KEY_DIR}/{names.API_KEY_KEY}" if security.client_api_key else None}
     return Auth(**{k: v for k, v in files.items() if v})  # unset stays unset: the file keeps the sidecar's defaults
+
+
+def tracing(spec: DisaggregatedModelSpec) -> TracingConfig:
+    """``monitoring.tracing`` for the decode pods' sidecars: their spans say which pool they come from."""
+    assert spec.monitoring.tracing is not None
+    return TracingConfig(otlp_endpoint=spec.monitoring.tracing.otlp_endpoint,
+                         sample_ratio=spec.monitoring.tracing.sample_ratio,
+                         resource_attributes={"disagg.pool": "decode"})
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,7 @@ def build(
     keys = auth(spec)
     return SidecarConfig(
         **({"auth": keys} if keys.model_fields_set else {}), **({"tls": endpoints.tls} if endpoints.tls else {}),
+        **({"tracing": tracing(spec)} if spec.monitoring.tracing else {}),
         # The pool's endpoint picker scrapes the sidecar's port for vLLM's metrics (docs/llm-d.md); without a
         # pool Prometheus scrapes the engine itself, and a second copy of its series would count twice.
         **({"metrics": Exposition(include_engine=True)} if pool else {}),

@@ -118,6 +118,9 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("parallelism.tensor", pools(decode={"parallelism": {"tensor": 0}}), "spec.pools.decode.parallelism.tensor"),
     Invalid("parallelism.data", pools(prefill={"parallelism": {"data": 0}}), "spec.pools.prefill.parallelism.data"),
     Invalid("cpu-pool.renderer-workers", pools(render={"rendererWorkers": 0}), "spec.pools.render.rendererWorkers"),
+    Invalid("tracing.sample-ratio", {"monitoring": {"tracing": {"otlpEndpoint": "http://otel.monitoring.svc:4318",
+                                                                "sampleRatio": 1.5}}},
+            "spec.monitoring.tracing.sampleRatio"),
     Invalid("autoscaling.one-scaler", {**pools(decode={"autoscaling": {"maxReplicas": 2}}), "autoscaling": {
         "prefill": {"maxReplicas": 2}, "decode": {"maxReplicas": 2}, "targets": {"ttftSeconds": 1}}}, "spec.autoscaling"),
     Invalid("pool-bounds.min", {"autoscaling": {"prefill": {"minReplicas": 3, "maxReplicas": 2},
