@@ -16,8 +16,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 )
 
-from disagg_engine.servers import free_port
-from tests.sidecar.support import LoopThread
+from tests.sidecar.support import serving
 
 PROTOBUF = "application/x-protobuf"
 
@@ -69,10 +68,10 @@ class Receiver:
 @contextmanager
 def otlp_receiver() -> Iterator[Receiver]:
     receiver = Receiver()
-    lt = LoopThread()
-    port = free_port()
 
     async def traces(request: web.Request) -> web.Response:
+        if (request.method, request.path) != ("POST", "/v1/traces"):
+            return web.Response(status=404)
         body = await request.read()
         try:
             if request.headers.get("Content-Encoding") == "gzip":
@@ -85,18 +84,5 @@ def otlp_receiver() -> Iterator[Receiver]:
             return web.Response(status=400, text=repr(exc))
         return web.Response(body=ExportTraceServiceResponse().SerializeToString(), content_type=PROTOBUF)
 
-    async def start() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_post("/v1/traces", traces)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    runner = lt.run(start())
-    receiver.url = f"http://127.0.0.1:{port}"
-    try:
+    with serving(traces) as receiver.url:
         yield receiver
-    finally:
-        lt.run(runner.cleanup())
-        lt.close()
