@@ -54,6 +54,9 @@ class ModelState:
     history: tuple[Recommendation, ...] = ()
     readings: dict[str, sig.EngineReading] = field(default_factory=dict)  # by pod
     last_tick: float = 0.0
+    # A pool is on its way (a surge step held for the other pool's pods, or prefill pods leaving the
+    # sidecars' selection): the next tick comes at the timer's pace, not after a whole interval.
+    stepping: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,16 @@ def _current(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], role: Rol
     return int((dep.get("spec") or {}).get("replicas", 1))
 
 
+def release_prefill(api: Any, namespace: str, model: str) -> list[str]:
+    """Every prefill pod the planner took out of the sidecars' selection is put back (the planner no
+    longer sizes the pool: ``spec.autoscaling`` removed, or the user's HPA took it over)."""
+    pods = api.pods(namespace, names.selector(model, Role.PREFILL))
+    back = [p for p in retire.alive(pods) if retire.marked(p)]
+    for pod in back:
+        api.patch_pod(namespace, pod["metadata"]["name"], retire.unmark_patch(pod))
+    return [p["metadata"]["name"] for p in back]
+
+
 def _retire_prefill(api: Any, plan: Plan, before: int, after: int) -> tuple[bool, list[tuple[str, str]], str]:
     """Prefill pods leave the sidecars' selection before their pool shrinks (``retire.py``): (scale now,
     events, why not yet). Also puts back marked pods that are no longer to go."""
@@ -187,6 +200,7 @@ def tick(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], hpas: Mapping
     step = surge_step(spec, decision.replicas, current, ready)
 
     moves, managed, notes, retire_events = [], {}, dict(decision.reasons), []
+    state.stepping = False
     for role, before, target, after in ((Role.PREFILL, prefill, decision.replicas.prefill, step.prefill),
                                         (Role.DECODE, decode, decision.replicas.decode, step.decode)):
         if before is None or after is None or target is None:
@@ -194,15 +208,19 @@ def tick(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], hpas: Mapping
         deployment = names.pool_name(plan.name, role)
         if deployment in hpas:
             managed[str(role)] = f"HorizontalPodAutoscaler/{hpas[deployment]}"
+            if role == Role.PREFILL and (back := release_prefill(api, plan.namespace, plan.name)):
+                retire_events.append(("PrefillReselected", f"prefill pods {', '.join(back)} are selected again"))
             continue
         managed[str(role)] = "planner"
         if after != target:
             notes[str(role)] = f"{notes.get(str(role), '')}; {after} until the other pool's new pods are ready (ratio)"
+            state.stepping = True
         if role == Role.PREFILL:
             now_ok, found, why = _retire_prefill(api, plan, before, after)
             retire_events += found
             notes[str(role)] = notes.get(str(role), "") + why
             if not now_ok:
+                state.stepping = True
                 continue
         if after != before:
             api.scale(plan.namespace, deployment, after)

@@ -68,6 +68,8 @@ def plan(pods: Sequence[Mapping[str, Any]], current: int, desired: int, listed: 
     leaving = [p["metadata"]["name"] for p in deletion_order([p for p in living if marked(p)])]
     going = max(0, current - desired)
     if going == 0:
+        if len(living) > current:  # the ReplicaSet has yet to delete the pods a scale-down marked
+            return Retirement()
         return Retirement(unmark=tuple(leaving))
     if len(leaving) > going:  # fewer are to go than are marked: the last in deletion order stay
         return Retirement(unmark=tuple(leaving[going:]), scale=False)

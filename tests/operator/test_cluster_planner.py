@@ -222,3 +222,35 @@ def test_a_users_hpa_keeps_its_pool_and_the_planner_plans_the_other(
     # metrics server here, leaves the Deployment's 1).
     assert get(cluster, ns, "deployment", "qwen3-8b-decode")["spec"]["replicas"] == 1
     assert (pools["decode"]["current"], pools["decode"]["desired"]) == (1, 1)
+
+
+def test_removing_autoscaling_puts_prefill_pods_it_had_marked_back(
+        cluster: Cluster, operator: OperatorProcess, prometheus: FakePrometheus, ns: str) -> None:
+    doc = example()
+    doc["spec"]["pools"]["render"] = {"replicas": 0}
+    doc["spec"]["pools"]["prefill"]["replicas"] = 2
+    # One decision, then none for 10 minutes: the pod marked below stays marked until the spec changes.
+    doc["spec"]["autoscaling"] = {"prefill": {"minReplicas": 2, "maxReplicas": 2}, "decode": {"maxReplicas": 2},
+                                  "targets": {"waitingPerPrefillPod": 4}, "intervalSeconds": 600,
+                                  "prometheus": {"url": prometheus.url}}
+    prometheus.values["waiting"] = 0.0
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+    cluster.wait_for(lambda: get(cluster, ns, "dm", "qwen3-8b").get("status", {}).get("autoscaling"),
+                     "a first decision", timeout=120)
+    pods = cluster.wait_for(lambda: p if len(p := prefill_pods(cluster, ns)) == 2 else None, "two prefill pods",
+                            timeout=120)
+    name, pod = sorted(pods.items())[0]
+    revision = pod["metadata"]["labels"][names.KV_REVISION]
+    # Marked as the planner marks a pod it is about to scale away.
+    cluster.kubectl("patch", "pod", name, "-n", ns, "--type", "merge", "-p", json.dumps(retire.mark_patch(pod)))
+    cluster.wait_for(lambda: name not in sidecar_selection(cluster, ns), "the marked pod out of the selection",
+                     timeout=30)
+
+    del doc["spec"]["autoscaling"]
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+    cluster.wait_for(lambda: name in sidecar_selection(cluster, ns), "the pod back in the sidecars' selection",
+                     timeout=60)
+    back = prefill_pods(cluster, ns)[name]["metadata"]
+    assert back["labels"][names.KV_REVISION] == revision and not retire.marked({"metadata": back})
+    assert retire.DELETION_COST not in (back.get("annotations") or {})
+    assert "PrefillReselected" in [e["reason"] for e in events(cluster, ns)]

@@ -48,6 +48,8 @@ def test_the_pods_to_go_are_those_a_replicaset_deletes_first() -> None:
     # The load came back: every marked pod is selected again.
     ([pod("a"), pod("b", leaving=True)], 2, 2, {"a"}, retire.Retirement(unmark=("b",))),
     ([pod("a"), pod("b", leaving=True)], 2, 3, {"a"}, retire.Retirement(unmark=("b",))),
+    # Scaled down already, the ReplicaSet not done yet: the marked pods stay out.
+    ([pod("a"), pod("b", leaving=True), pod("c", leaving=True)], 1, 1, {"a"}, retire.Retirement()),
     # Fewer to go than are marked (3 → 2 after 3 → 1 was marked): the one deleted last stays.
     ([pod("a"), pod("b", leaving=True, created="2026-12-05T10:30:00Z"), pod("c", leaving=True)], 3, 2, {"a"},
      retire.Retirement(unmark=("c",), scale=False)),
@@ -121,6 +123,7 @@ def test_the_planner_shrinks_prefill_only_after_its_pods_left_the_sidecars_selec
     assert first is not None and first.moves == ()
     assert api.calls == [("patch", "p2"), ("patch", "p1")]
     assert [r for r, _ in first.events] == ["PrefillDeselected"]
+    assert state.stepping, "the next decision comes at the timer's pace"
     assert "waiting for p2, p1 to leave the sidecars' selection" in first.status["pools"]["prefill"]["reason"]
     assert [n for n, _ in api.service_endpoints("prod", names.prefill_revision_service(plan.name, revision))] == ["p0"]
     # The next tick finds them out of the Service: now the Deployment shrinks.
@@ -128,6 +131,7 @@ def test_the_planner_shrinks_prefill_only_after_its_pods_left_the_sidecars_selec
     second = tick(plan, deployments, {}, api, state, fetch=lambda url: idle, now=30.0)
     assert second is not None and api.calls == [("scale", "qwen3-8b-prefill", "1")]
     assert [(m.pool, m.before, m.after) for m in second.moves] == [(Role.PREFILL, 3, 1)]
+    assert not state.stepping
 
 
 def test_a_marked_pod_the_planner_keeps_is_selected_again() -> None:
@@ -147,3 +151,22 @@ def test_a_marked_pod_the_planner_keeps_is_selected_again() -> None:
     assert api.pods_["p1"]["metadata"]["labels"][names.KV_REVISION] == plan.kv_revision
     assert retire.LEAVING not in api.pods_["p1"]["metadata"]["annotations"]
     assert "PrefillReselected" in [r for r, _ in result.events]
+
+
+def test_a_users_hpa_taking_the_pool_over_puts_marked_pods_back() -> None:
+    spec = merged(full_spec(), {"autoscaling": {
+        "prefill": {"maxReplicas": 3}, "decode": {"maxReplicas": 3}, "targets": {"waitingPerPrefillPod": 4},
+        "prometheus": {"url": "http://prometheus:9090"}}})
+    plan = plan_of(spec)
+    assert plan.kv_revision is not None
+    left = pod("p1", leaving=True)
+    left["metadata"]["annotations"][retire.LEAVING] = plan.kv_revision
+    api = Api([pod("p0"), left, pod("p2", leaving=True, deleting=True)], plan.name)
+    idle = '{"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, "0"]}]}}'
+    deployments = {"qwen3-8b-prefill": {"spec": {"replicas": 2}, "status": {"readyReplicas": 2}},
+                   "qwen3-8b-decode": {"spec": {"replicas": 2}, "status": {"readyReplicas": 2}}}
+    result = tick(plan, deployments, {"qwen3-8b-prefill": "mine"}, api, ModelState(), fetch=lambda url: idle, now=0.0)
+    assert result is not None and result.status["pools"]["prefill"]["managedBy"] == "HorizontalPodAutoscaler/mine"
+    assert api.calls == [("patch", "p1")], "only the living marked pod; nothing scaled"
+    assert api.pods_["p1"]["metadata"]["labels"][names.KV_REVISION] == plan.kv_revision
+    assert [r for r, _ in result.events] == ["PrefillReselected"]
