@@ -10,6 +10,7 @@ import pytest
 
 from disagg_operator import names, retire
 from disagg_operator.names import Role
+from disagg_operator.plan import Plan
 from disagg_operator.planner import ModelState, tick
 from tests.operator.builders import full_spec, plan_of
 from tests.operator.cases import merged
@@ -101,12 +102,17 @@ class Api:
         self.calls.append(("scale", deployment, str(replicas)))
 
 
-def test_the_planner_shrinks_prefill_only_after_its_pods_left_the_sidecars_selection() -> None:
-    spec = merged(full_spec(), {"autoscaling": {
+def autoscaled(**extra: Any) -> Plan:
+    """The full spec with the planner on (Prometheus as its source) and a KV revision."""
+    plan = plan_of(merged(full_spec(), {"autoscaling": {
         "prefill": {"maxReplicas": 3}, "decode": {"maxReplicas": 3}, "targets": {"waitingPerPrefillPod": 4},
-        "stabilization": {"scaleDownSeconds": 0}, "prometheus": {"url": "http://prometheus:9090"}}})
-    plan = plan_of(spec)
+        "prometheus": {"url": "http://prometheus:9090"}, **extra}}))
     assert plan.kv_revision is not None
+    return plan
+
+
+def test_the_planner_shrinks_prefill_only_after_its_pods_left_the_sidecars_selection() -> None:
+    plan = autoscaled(stabilization={"scaleDownSeconds": 0})
     revision = plan.kv_revision
     pods = [pod(f"p{i}", created=f"2026-12-05T10:0{i}:00Z") for i in range(3)]
     for p in pods:
@@ -135,11 +141,7 @@ def test_the_planner_shrinks_prefill_only_after_its_pods_left_the_sidecars_selec
 
 
 def test_a_marked_pod_the_planner_keeps_is_selected_again() -> None:
-    spec = merged(full_spec(), {"autoscaling": {
-        "prefill": {"maxReplicas": 3}, "decode": {"maxReplicas": 3}, "targets": {"waitingPerPrefillPod": 4},
-        "prometheus": {"url": "http://prometheus:9090"}}})
-    plan = plan_of(spec)
-    assert plan.kv_revision is not None
+    plan = autoscaled()
     kept = pod("p1", leaving=True)
     kept["metadata"]["annotations"][retire.LEAVING] = plan.kv_revision
     api = Api([pod("p0"), kept], plan.name)
@@ -154,11 +156,7 @@ def test_a_marked_pod_the_planner_keeps_is_selected_again() -> None:
 
 
 def test_a_users_hpa_taking_the_pool_over_puts_marked_pods_back() -> None:
-    spec = merged(full_spec(), {"autoscaling": {
-        "prefill": {"maxReplicas": 3}, "decode": {"maxReplicas": 3}, "targets": {"waitingPerPrefillPod": 4},
-        "prometheus": {"url": "http://prometheus:9090"}}})
-    plan = plan_of(spec)
-    assert plan.kv_revision is not None
+    plan = autoscaled()
     left = pod("p1", leaving=True)
     left["metadata"]["annotations"][retire.LEAVING] = plan.kv_revision
     api = Api([pod("p0"), left, pod("p2", leaving=True, deleting=True)], plan.name)
