@@ -119,9 +119,13 @@ def test_tracing_points_the_sidecars_at_the_otlp_endpoint() -> None:
 
     spec = merged(full_spec(), {"monitoring": {"tracing": {"otlpEndpoint": "http://otel.monitoring.svc:4318",
                                                            "sampleRatio": 0.25}}})
-    written = sidecar_file(plan_of(spec))
+    plan = plan_of(spec)
+    written = sidecar_file(plan)
+    assert plan.kv_revision is not None
     assert written["tracing"] == {"otlp_endpoint": "http://otel.monitoring.svc:4318", "sample_ratio": 0.25,
-                                  "resource_attributes": {"disagg.pool": "decode"}}
+                                  "resource_attributes": {"disagg.pool": "decode", "disagg.model": "qwen3-8b",
+                                                          "k8s.namespace.name": "prod",
+                                                          "disagg.kv_revision": plan.kv_revision}}
     assert SidecarConfig.model_validate(written).tracing is not None  # the sidecar reads what was written
     assert "tracing" not in sidecar_file(plan_of(full_spec())), "off unless asked for"
 
