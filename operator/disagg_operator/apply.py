@@ -169,6 +169,25 @@ class KubeApi:
         except ApiException as exc:
             raise _error(exc, f"scale Deployment {namespace}/{deployment}") from None
 
+    def pods(self, namespace: str, selector: Mapping[str, str]) -> list[dict[str, Any]]:
+        """The pods a label selector selects (the planner's prefill pods, ``retire.py``)."""
+        try:
+            response = self._api("CoreV1Api").list_namespaced_pod(
+                namespace, label_selector=",".join(f"{k}={v}" for k, v in sorted(selector.items())),
+                _preload_content=False)
+        except ApiException as exc:
+            raise _error(exc, f"list pods in {namespace}") from None
+        return list(json.loads(response.data).get("items") or [])
+
+    def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """Merge-patch a pod's labels and annotations (a prefill pod leaving the sidecars' selection)."""
+        try:
+            self._api("CoreV1Api").patch_namespaced_pod(name, namespace, dict(patch), field_manager=PLANNER_MANAGER,
+                                                        _content_type=MERGE, _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:  # gone meanwhile: nothing to mark
+                raise _error(exc, f"patch pod {namespace}/{name}") from None
+
     def service_endpoints(self, namespace: str, service: str) -> list[tuple[str, str]]:
         """(pod name, address) of the ready endpoints of a Service's EndpointSlices."""
         try:

@@ -176,3 +176,38 @@ def _kept(spec: AutoscalingSpec, history: Sequence[Recommendation], now: float) 
     """The recommendations a later decision can still need."""
     keep = max(spec.stabilization.scale_up_seconds, spec.stabilization.scale_down_seconds)
     return tuple(r for r in history if now - r.at <= keep)
+
+
+def surge_step(spec: AutoscalingSpec, target: Replicas, current: Replicas, ready: Replicas) -> Replicas:
+    """The sizes to set now on the way to ``target`` (both pools together): a pool grows only as far as
+    the other pool's *ready* pods keep the ratio (prefill <= ready decode x max, decode <= ready prefill /
+    min), so while new pods come up the ready pods stay within the ratio bounds; the next step follows
+    once they are ready. When every pod is ready and still neither pool may grow by itself (a tight
+    ratio such as min = max), both grow to the next sizes within the ratio at once. Shrinking, and a
+    model without prefill: at once."""
+    if target.prefill is None or current.prefill is None or ready.prefill is None:
+        return target
+    r = spec.ratio
+    p, d = target.prefill, target.decode
+    if p > current.prefill:
+        p = max(current.prefill, min(p, math.floor(ready.decode * r.max + 1e-9)))
+    if d > current.decode and r.min > 0:
+        d = max(current.decode, min(d, math.floor(ready.prefill / r.min + 1e-9)))
+    grows = target.prefill > current.prefill or target.decode > current.decode
+    all_ready = ready.prefill >= current.prefill and ready.decode >= current.decode
+    if grows and all_ready and (p, d) == (current.prefill, current.decode):
+        return _joint_step(spec, target, current)
+    return Replicas(p, d)
+
+
+def _joint_step(spec: AutoscalingSpec, target: Replicas, current: Replicas) -> Replicas:
+    """The smallest sizes between ``current`` and ``target`` that both grow and hold the ratio."""
+    assert target.prefill is not None and current.prefill is not None
+    r = spec.ratio
+    low_p, high_p = min(current.prefill, target.prefill), max(current.prefill, target.prefill)
+    low_d, high_d = min(current.decode, target.decode), max(current.decode, target.decode)
+    for d in range(low_d, high_d + 1):
+        for p in range(low_p, high_p + 1):
+            if (p, d) != (current.prefill, current.decode) and r.min * d - 1e-9 <= p <= r.max * d + 1e-9:
+                return Replicas(p, d)
+    return target

@@ -102,16 +102,25 @@ class Plan:
                        listen_host: str = LISTEN_HOST) -> SidecarConfig:
         """The sidecar configuration for other endpoints (local mode: ``sidecar_config.static_endpoints``)."""
         return _sidecar_config(self.spec, self.served_name, self.kv, self.render_tier, endpoints,
-                               Listen(host=listen_host, port=listen_port or self.spec.router.port))
+                               Listen(host=listen_host, port=listen_port or self.spec.router.port),
+                               _trace_attributes(self.name, self.namespace, self.kv_revision))
+
+
+def _trace_attributes(name: str, namespace: str, kv_revision: str | None) -> dict[str, str]:
+    """What the sidecars' spans say of where they come from (``monitoring.tracing``)."""
+    return {"disagg.model": name, "k8s.namespace.name": namespace,
+            **({"disagg.kv_revision": kv_revision} if kv_revision else {})}
 
 
 def _sidecar_config(spec: DisaggregatedModelSpec, served_name: str, kv: KVPlan, render_tier: bool,
-                    endpoints: sidecar_config.Endpoints, listen: Listen) -> SidecarConfig:
+                    endpoints: sidecar_config.Endpoints, listen: Listen,
+                    trace_attributes: dict[str, str]) -> SidecarConfig:
     return sidecar_config.build(spec, served_name=served_name, endpoints=endpoints, kv_connector=kv.name,
                                 prefill_tokens_only=render_tier, listen=listen,
                                 derender_sessions=derender.derender_sessions(spec, render_tier),
                                 min_prompt_tokens=kv.min_prompt_tokens, block_tokens=kv.block_tokens,
-                                side_channel_ports=kv.side_channel_env(spec.pools.prefill)[1])
+                                side_channel_ports=kv.side_channel_env(spec.pools.prefill)[1],
+                                trace_attributes=trace_attributes)
 
 
 def _active(pool: PoolSpec | None) -> bool:
@@ -154,7 +163,7 @@ def build_plan(
         # Only the prefill pods of this decode pod's KV revision (a rollout never pairs mismatched pods).
         prefill_service=names.prefill_revision_service(name, revision) if revision else None,
         tls_name=names.engine_tls_name(name, namespace) if spec.security.tls else None,
-    ), Listen(host=LISTEN_HOST, port=spec.router.port))
+    ), Listen(host=LISTEN_HOST, port=spec.router.port), _trace_attributes(name, namespace, revision))
 
     inputs = PoolInputs(
         spec=spec, name=name, model=source, template=template, kv=kv,

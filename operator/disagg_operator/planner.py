@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_operator import names, signals as sig
-from disagg_operator.decide import Decision, Recommendation, Replicas, Signals, decide
+from disagg_operator import names, retire, signals as sig
+from disagg_operator.decide import Decision, Recommendation, Replicas, Signals, decide, surge_step
 from disagg_operator.names import Role
 from disagg_operator.plan import Plan
 
@@ -54,6 +54,9 @@ class ModelState:
     history: tuple[Recommendation, ...] = ()
     readings: dict[str, sig.EngineReading] = field(default_factory=dict)  # by pod
     last_tick: float = 0.0
+    # A pool is on its way (a surge step held for the other pool's pods, or prefill pods leaving the
+    # sidecars' selection): the next tick comes at the timer's pace, not after a whole interval.
+    stepping: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,14 +126,53 @@ def _signals_status(s: Signals) -> dict[str, Any]:
     return {k: round(v, 4) for k, v in out.items() if v is not None}
 
 
-def _current(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], role: Role) -> int | None:
+def _current(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], role: Role, ready: bool = False) -> int | None:
+    """A pool's replica count (``ready``: its ready pods, as its Deployment's status says)."""
     pool = plan.pool(role)
     if pool is None:
         return None
     dep = deployments.get(pool.name)
     if dep is None:
         return None
+    if ready:
+        return int((dep.get("status") or {}).get("readyReplicas") or 0)
     return int((dep.get("spec") or {}).get("replicas", 1))
+
+
+def release_prefill(api: Any, namespace: str, model: str) -> list[str]:
+    """Every prefill pod the planner took out of the sidecars' selection is put back (the planner no
+    longer sizes the pool: ``spec.autoscaling`` removed, or the user's HPA took it over)."""
+    pods = api.pods(namespace, names.selector(model, Role.PREFILL))
+    back = [p for p in retire.alive(pods) if retire.marked(p)]
+    for pod in back:
+        api.patch_pod(namespace, pod["metadata"]["name"], retire.unmark_patch(pod))
+    return [p["metadata"]["name"] for p in back]
+
+
+def _retire_prefill(api: Any, plan: Plan, before: int, after: int) -> tuple[bool, list[tuple[str, str]], str]:
+    """Prefill pods leave the sidecars' selection before their pool shrinks (``retire.py``): (scale now,
+    events, why not yet). Also puts back marked pods that are no longer to go."""
+    if plan.kv_revision is None:  # no KV-revision Services: nothing selects on the label
+        return True, [], ""
+    pods = api.pods(plan.namespace, names.selector(plan.name, Role.PREFILL))
+    listed = {pod for service in retire.revision_services(plan.name, retire.alive(pods))
+              for pod, _ in api.service_endpoints(plan.namespace, service)}
+    step = retire.plan(pods, before, after, listed)
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    for name in step.mark:
+        api.patch_pod(plan.namespace, name, retire.mark_patch(by_name[name]))
+    for name in step.unmark:
+        api.patch_pod(plan.namespace, name, retire.unmark_patch(by_name[name]))
+    events = []
+    if step.mark:
+        events.append(("PrefillDeselected", f"prefill pods {', '.join(step.mark)} leave the sidecars' selection "
+                                            f"before prefill {before} → {after}"))
+    if step.unmark:
+        events.append(("PrefillReselected", f"prefill pods {', '.join(step.unmark)} are selected again"))
+    why = ""
+    if step.mark or step.waiting_for:
+        why = f"; waiting for {', '.join(step.mark or step.waiting_for)} to leave the sidecars' selection"
+    return step.scale, events, why
 
 
 def tick(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], hpas: Mapping[str, str], api: Any,
@@ -152,23 +194,40 @@ def tick(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], hpas: Mapping
     current = Replicas(prefill, decode)
     decision = decide(spec, signals, current, state.history, now)
     state.history, state.last_tick = decision.history, now
+    # Both pools grow together, each only as far as the other's ready pods keep the ratio.
+    ready = Replicas(_current(plan, deployments, Role.PREFILL, ready=True), _current(plan, deployments, Role.DECODE,
+                                                                                     ready=True) or 0)
+    step = surge_step(spec, decision.replicas, current, ready)
 
-    moves, managed = [], {}
-    for role, before, after in ((Role.PREFILL, prefill, decision.replicas.prefill),
-                                (Role.DECODE, decode, decision.replicas.decode)):
-        if before is None or after is None:
+    moves, managed, notes, retire_events = [], {}, dict(decision.reasons), []
+    state.stepping = False
+    for role, before, target, after in ((Role.PREFILL, prefill, decision.replicas.prefill, step.prefill),
+                                        (Role.DECODE, decode, decision.replicas.decode, step.decode)):
+        if before is None or after is None or target is None:
             continue
         deployment = names.pool_name(plan.name, role)
         if deployment in hpas:
             managed[str(role)] = f"HorizontalPodAutoscaler/{hpas[deployment]}"
+            if role == Role.PREFILL and (back := release_prefill(api, plan.namespace, plan.name)):
+                retire_events.append(("PrefillReselected", f"prefill pods {', '.join(back)} are selected again"))
             continue
         managed[str(role)] = "planner"
+        if after != target:
+            notes[str(role)] = f"{notes.get(str(role), '')}; {after} until the other pool's new pods are ready (ratio)"
+            state.stepping = True
+        if role == Role.PREFILL:
+            now_ok, found, why = _retire_prefill(api, plan, before, after)
+            retire_events += found
+            notes[str(role)] = notes.get(str(role), "") + why
+            if not now_ok:
+                state.stepping = True
+                continue
         if after != before:
             api.scale(plan.namespace, deployment, after)
             moves.append(Move(role, before, after))
 
-    events = [("ScaledUp" if m.after > m.before else "ScaledDown",
-               f"{m.pool} {m.before} → {m.after}: {decision.reasons.get(str(m.pool), '')}") for m in moves]
+    events = [*retire_events, *(("ScaledUp" if m.after > m.before else "ScaledDown",
+                                 f"{m.pool} {m.before} → {m.after}: {notes.get(str(m.pool), '')}") for m in moves)]
     if decision.ratio_held and moves:
         events.append(("RatioHeld", f"prefill:decode kept within {spec.ratio.min:g}-{spec.ratio.max:g} "
                                     f"prefill pods per decode pod"))
@@ -179,7 +238,7 @@ def tick(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], hpas: Mapping
             continue
         pools[str(role)] = {"current": before, "desired": after if managed[str(role)] == "planner" else before,
                             "minReplicas": bounds.min_replicas, "maxReplicas": bounds.max_replicas,
-                            "managedBy": managed[str(role)], "reason": decision.reasons.get(str(role), "")}
+                            "managedBy": managed[str(role)], "reason": notes.get(str(role), "")}
     status: dict[str, Any] = {
         "source": "prometheus" if spec.prometheus is not None else "pods",
         "lastDecisionTime": stamp,

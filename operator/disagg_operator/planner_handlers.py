@@ -1,6 +1,7 @@
 """kopf glue of the planner (``planner.py``): a timer on every model with ``spec.autoscaling``.
 
-The timer fires every few seconds; a model is planned every ``autoscaling.intervalSeconds``. It reads
+The timer fires every few seconds; a model is planned every ``autoscaling.intervalSeconds``, or at
+the timer's pace while a pool is on its way (``ModelState.stepping``). It reads
 the model's Deployments from the operator's children index (as the status does), writes
 ``status.autoscaling`` (merge patch, only when it changed), posts an Event per scaling step and
 updates the planner's metrics. Registered by ``disagg operator`` unless ``--no-planner``.
@@ -20,7 +21,7 @@ from disagg_operator.apply import ApplyError
 from disagg_operator.handlers import _live, _reference
 from disagg_operator.manifest import parse_manifest
 from disagg_operator.plan import build_plan
-from disagg_operator.planner import ModelState, tick
+from disagg_operator.planner import ModelState, release_prefill, tick
 from disagg_operator.spec import GROUP, PLURAL, VERSION, SpecError
 
 TIMER_SECONDS = 5.0  # the shortest intervalSeconds the rules allow
@@ -52,7 +53,7 @@ def plan_model(body: kopf.Body, memo: kopf.Memo, children: kopf.Index, logger: k
     with _lock:
         state = _states.setdefault(meta["uid"], ModelState())
     now = time.monotonic()
-    if state.last_tick and now - state.last_tick < spec.interval_seconds - 0.5:
+    if state.last_tick and now - state.last_tick < spec.interval_seconds - 0.5 and not state.stepping:
         return
     live = _live(children, meta["namespace"], meta["name"])
     deployments = {key[3]: obj for key, obj in live.items()
@@ -95,6 +96,19 @@ def plan_model(body: kopf.Body, memo: kopf.Memo, children: kopf.Index, logger: k
 
 def _without_time(status: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in status.items() if k != "lastDecisionTime"}
+
+
+@kopf.on.update(GROUP, VERSION, PLURAL, id="planner-release", field="spec.autoscaling")
+def release(new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """``spec.autoscaling`` removed: prefill pods the planner had taken out of the sidecars'
+    selection for a scale-down it will not make are put back."""
+    if new:
+        return
+    meta = body["metadata"]
+    back = release_prefill(memo.api, meta["namespace"], meta["name"])
+    if back:
+        kopf.info(_reference(dict(body)), reason="PrefillReselected",
+                  message=f"prefill pods {', '.join(back)} are selected again (spec.autoscaling removed)")
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, id="planner-forget", optional=True)

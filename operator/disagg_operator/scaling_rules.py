@@ -6,6 +6,10 @@ from disagg_operator.rule import Rule
 
 SCALING_RULES: tuple[Rule, ...] = (
     Rule(
+        "tracing.sample-ratio", "TracingSpec", "self.sampleRatio >= 0.0 && self.sampleRatio <= 1.0",
+        "monitoring.tracing.sampleRatio must be between 0 and 1", lambda t: 0 <= t.sample_ratio <= 1, ".sampleRatio",
+    ),
+    Rule(
         "autoscaling.one-scaler", "DisaggregatedModelSpec",
         "!has(self.autoscaling) || (!has(self.pools.prefill.autoscaling) && !has(self.pools.decode.autoscaling))",
         "autoscaling (the planner) and pools.prefill/decode.autoscaling (an HPA) cannot both scale a pool: "

@@ -6,14 +6,14 @@ discovery in a cluster (``cluster_endpoints``), fixed loopback URLs locally (``s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from disagg_operator import engine_args, names
 from disagg_operator.spec import DisaggregatedModelSpec
 from disagg_sidecar.config import (
     TLS, Auth, Decode, Engine, EngineFeatures, EndpointSliceDiscovery, Exposition, Limits, Listen, Prefill,
-    RenderTier, SidecarConfig, StaticDiscovery, Tier, Timeouts,
+    RenderTier, SidecarConfig, StaticDiscovery, Tier, Timeouts, TracingConfig,
 )
 from disagg_sidecar.config import Discovery
 
@@ -30,6 +30,15 @@ def auth(spec: DisaggregatedModelSpec) -> Auth:
     files = {"engine_api_key_file": f"{ENGINE_KEY_DIR}/{names.API_KEY_KEY}" if security.engine_api_key.enabled else None,
              "client_api_key_file": f"{CLIENT_KEY_DIR}/{names.API_KEY_KEY}" if security.client_api_key else None}
     return Auth(**{k: v for k, v in files.items() if v})  # unset stays unset: the file keeps the sidecar's defaults
+
+
+def tracing(spec: DisaggregatedModelSpec, attributes: Mapping[str, str]) -> TracingConfig:
+    """``monitoring.tracing`` for the decode pods' sidecars: their spans say which pool (and model,
+    namespace, KV revision: ``attributes``) they come from."""
+    assert spec.monitoring.tracing is not None
+    return TracingConfig(otlp_endpoint=spec.monitoring.tracing.otlp_endpoint,
+                         sample_ratio=spec.monitoring.tracing.sample_ratio,
+                         resource_attributes={"disagg.pool": "decode", **attributes})
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ def _render_tier(url: str | None, policy: str) -> RenderTier:
 def build(
     spec: DisaggregatedModelSpec, *, served_name: str, endpoints: Endpoints, kv_connector: str | None,
     prefill_tokens_only: bool, listen: Listen, derender_sessions: bool, min_prompt_tokens: int = 0,
-    block_tokens: int = 16, side_channel_ports: tuple[int, ...] = (),
+    block_tokens: int = 16, side_channel_ports: tuple[int, ...] = (), trace_attributes: Mapping[str, str] = {},
 ) -> SidecarConfig:
     """``derender_sessions``: the render tier may offer them (``derender.derender_sessions``);
     ``min_prompt_tokens``: the shortest prompt the KV connector carries; ``block_tokens``: the
@@ -113,6 +122,7 @@ def build(
     keys = auth(spec)
     return SidecarConfig(
         **({"auth": keys} if keys.model_fields_set else {}), **({"tls": endpoints.tls} if endpoints.tls else {}),
+        **({"tracing": tracing(spec, trace_attributes)} if spec.monitoring.tracing else {}),
         # The pool's endpoint picker scrapes the sidecar's port for vLLM's metrics (docs/llm-d.md); without a
         # pool Prometheus scrapes the engine itself, and a second copy of its series would count twice.
         **({"metrics": Exposition(include_engine=True)} if pool else {}),

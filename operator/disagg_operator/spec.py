@@ -345,6 +345,17 @@ class SecuritySpec(WireModel):
 
 # -- spec.monitoring (PodMonitors) and spec.autoscaling (the operator's planner: docs/autoscaling.md) --
 
+class TracingSpec(WireModel):
+    """Trace spans of every request and its legs from the decode pods' sidecars (OpenTelemetry, OTLP/HTTP)."""
+
+    otlp_endpoint: Annotated[str, StringConstraints(pattern=r"^https?://[^\s/:]+:[0-9]+(/[^\s]*)?$", max_length=2048)] = \
+        Field(alias="otlpEndpoint", description="Base URL of an OTLP/HTTP receiver with its port, e.g. "
+              "http://otel-collector.monitoring.svc:4318 (spans go to its /v1/traces). The client's traceparent is "
+              "continued; each leg (render, prefill, decode, derender) is a span.")
+    sample_ratio: float = Field(1.0, description="Of the traces the sidecar starts itself, the share recorded "
+                                "(a client's traceparent keeps its own sampled flag).")
+
+
 class MonitoringSpec(WireModel):
     """Prometheus Operator monitors for this model's pods."""
 
@@ -355,6 +366,8 @@ class MonitoringSpec(WireModel):
         "CRD is missing); false: never.")
     interval: Annotated[str, StringConstraints(pattern=r"^[0-9]+(ms|s|m)$", max_length=16)] = Field(
         "15s", description="Scrape interval of the monitors (Prometheus duration).")
+    tracing: TracingSpec | None = Field(None, description="Trace spans from the sidecars; unset: none (the client's "
+                                        "trace context still goes to every leg).")
 
 
 class PoolBounds(WireModel):

@@ -22,7 +22,8 @@ Layers, each importing only those below it (an import-linter contract in pyproje
   ``options`` (each request field carried or refused), ``answers`` (upstream answers checked),
   ``anthropic_request`` (a Messages request as the chat request vLLM derives);
 - the base: ``config`` (the file), ``wire`` (names), ``vllm_releases`` (the supported vLLM releases,
-  also read by the operator and the engine extension), ``errors``, ``metrics``, ``logs``, ``budget``,
+  also read by the operator and the engine extension), ``errors``, ``metrics``, ``logs``, ``tracing``
+  (spans of a request and its legs, OTLP), ``budget``,
   ``sse`` (event framing, compact JSON), ``connectors/``.
 Nothing here imports vLLM or torch.
 """

@@ -30,11 +30,12 @@ from disagg_sidecar.upstream.enginemetrics import EngineMetrics
 from disagg_sidecar.errors import SidecarError, error_bytes
 from disagg_sidecar.pipeline.coupled import DecodeAlone
 from disagg_sidecar.pipeline.flows import Flows
-from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
+from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, TRACING, UPSTREAM
 from disagg_sidecar.logs import request_id_var
 from disagg_sidecar.metrics import Metrics
 from disagg_sidecar.pipeline.poollegs import PoolLegs
 from disagg_sidecar.state import SidecarState
+from disagg_sidecar.tracing import Tracing, set_request_outcome
 from disagg_sidecar.upstream.client import Upstream
 
 log = logging.getLogger("disagg_sidecar")
@@ -44,6 +45,24 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _API_BY_PATH = {wire.CHAT: "chat", wire.COMPLETIONS: "completions", wire.GENERATE: "generate",
                 wire.MESSAGES: "messages", wire.MESSAGES_COUNT_TOKENS: "count_tokens", wire.RESPONSES: "responses"}
 
+
+
+@web.middleware
+async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The request's span (``tracing``), around everything else: its status is the client's."""
+    tracing = request.app[TRACING]
+    if not tracing.enabled or (api := _API_BY_PATH.get(request.path)) is None:
+        return await handler(request)
+    with tracing.request(f"{request.method} {request.path}", handlers.trace_headers(request), {
+            "http.request.method": request.method, "url.path": request.path, "disagg.api": api}) as span:
+        try:
+            response = await handler(request)
+        except (asyncio.CancelledError, ConnectionResetError):
+            set_request_outcome(span, 499, {"error.type": "client_disconnected"})
+            raise
+        set_request_outcome(span, response.status, {"disagg.request_id": response.headers.get(wire.REQUEST_ID),
+                                                    "disagg.prefill": response.headers.get(wire.PREFILL_OUTCOME)})
+        return response
 
 
 @web.middleware
@@ -170,6 +189,7 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
         prefill=EndpointPool("prefill", source.endpoints, config.prefill.selection,
                              block_tokens=config.prefill.affinity_block_tokens,
                              share=RecentShare(config.prefill.affinity_window, config.prefill.affinity_load_bound_percent)),
+        tracing=app[TRACING],
     )
     app[UPSTREAM] = upstream
     app[SCRAPE] = EngineMetrics(upstream, app[METRICS], config.metrics)
@@ -189,13 +209,15 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
         await upstream.close()
         await session.close()
         await source.stop()
+        await asyncio.to_thread(app[TRACING].shutdown)  # the spans still queued are sent
 
 
 def build_app(config: SidecarConfig) -> web.Application:
     client_key = auth.client_key_middleware(config)
-    app = web.Application(middlewares=[errors_and_access_log, *([client_key] if client_key else [])],
+    app = web.Application(middlewares=[traced, errors_and_access_log, *([client_key] if client_key else [])],
                           client_max_size=config.max_body_bytes)
     app[STATE] = state = SidecarState(config)
+    app[TRACING] = Tracing(config.tracing, config.served_model_name)
     app[METRICS] = Metrics()
     app[METRICS].in_flight.set_function(lambda: state.in_flight)  # read at scrape time
     app.cleanup_ctx.append(_upstreams)

@@ -45,6 +45,7 @@ Unknown keys are rejected (a typo must not silently fall back to a default). Exa
       client_api_key_file: /etc/disagg/client-api-key/api-key   # required from clients
     tls: {ca_file: /var/run/disagg/tls-ca/ca.crt, server_name: qwen-engine.ns.svc}   # optional: https engines
     metrics: {include_engine: true, engine_timeout_seconds: 1, engine_max_age_seconds: 0.2}  # + the engine's
+    tracing: {otlp_endpoint: http://otel-collector.monitoring:4318, sample_ratio: 1.0}  # optional: OTLP spans
 """
 
 from __future__ import annotations
@@ -312,6 +313,26 @@ class Exposition(Model):  # what /metrics serves
     engine_max_age_seconds: float = Field(0.2, ge=0, le=10, description="Reuse the engine's families this long.")
 
 
+class TracingConfig(Model):
+    """Trace spans of every request and leg, sent to an OTLP/HTTP receiver (``disagg_sidecar.tracing``)."""
+
+    otlp_endpoint: str = Field(description="The receiver's base URL, e.g. http://otel-collector.monitoring:4318 "
+                               "(spans go to its /v1/traces, as OTEL_EXPORTER_OTLP_ENDPOINT means).")
+    service_name: str = Field("disagg-sidecar", min_length=1, max_length=256)
+    resource_attributes: dict[str, str] = Field(default_factory=dict, description="Added to every span's resource "
+                                                "(the operator: model, namespace, pool, revision).")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="Of the traces this sidecar starts (a client's "
+                                "traceparent keeps its own sampled flag).")
+    export_delay_seconds: float = Field(5.0, gt=0, le=60, description="Spans are sent in batches this often.")
+    export_timeout_seconds: float = Field(10.0, gt=0, le=60)
+    max_queued_spans: int = Field(2048, ge=16, le=1 << 20, description="Spans waiting for export; more are dropped.")
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return check_url(v)
+
+
 class TLS(Model):
     """HTTPS to the engines (their URLs say https://), verified with ``ca_file``."""
 
@@ -366,6 +387,7 @@ class SidecarConfig(Model):
     auth: Auth = Field(default_factory=Auth)
     tls: TLS | None = None
     metrics: Exposition = Field(default_factory=Exposition)
+    tracing: TracingConfig | None = Field(None, description="None: no spans (legs carry the client's trace context).")
 
     @model_validator(mode="after")
     def _connector(self) -> SidecarConfig:

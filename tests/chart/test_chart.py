@@ -49,12 +49,14 @@ ALLOWED = [
     ("create", "events", None), ("patch", "events", None),
     ("create", "secrets", None),  # the engine API key Secret, created once and never read
     ("patch", "deployments.apps", "scale"),  # the planner (spec.autoscaling)
+    ("list", "pods", None), ("patch", "pods", None),  # the planner: prefill pods leave the sidecars' selection first
 ]
 # ... and must not be able to do even there.
 DENIED_IN_WATCHED = [
     ("get", "secrets", None), ("list", "secrets", None), ("watch", "secrets", None), ("patch", "secrets", None),
     ("update", "secrets", None), ("delete", "secrets", None),
-    ("create", "pods", None), ("create", "pods", "exec"),
+    ("create", "pods", None), ("create", "pods", "exec"), ("delete", "pods", None), ("update", "pods", None),
+    ("get", "pods", "log"),
     ("create", CRD_NAME, None), ("delete", CRD_NAME, None), ("update", CRD_NAME, None),
     ("update", "deployments.apps", None), ("create", "endpointslices.discovery.k8s.io", None),
     ("escalate", "roles.rbac.authorization.k8s.io", None), ("bind", "roles.rbac.authorization.k8s.io", None),

@@ -118,6 +118,9 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("parallelism.tensor", pools(decode={"parallelism": {"tensor": 0}}), "spec.pools.decode.parallelism.tensor"),
     Invalid("parallelism.data", pools(prefill={"parallelism": {"data": 0}}), "spec.pools.prefill.parallelism.data"),
     Invalid("cpu-pool.renderer-workers", pools(render={"rendererWorkers": 0}), "spec.pools.render.rendererWorkers"),
+    Invalid("tracing.sample-ratio", {"monitoring": {"tracing": {"otlpEndpoint": "http://otel.monitoring.svc:4318",
+                                                                "sampleRatio": 1.5}}},
+            "spec.monitoring.tracing.sampleRatio"),
     Invalid("autoscaling.one-scaler", {**pools(decode={"autoscaling": {"maxReplicas": 2}}), "autoscaling": {
         "prefill": {"maxReplicas": 2}, "decode": {"maxReplicas": 2}, "targets": {"ttftSeconds": 1}}}, "spec.autoscaling"),
     Invalid("pool-bounds.min", {"autoscaling": {"prefill": {"minReplicas": 3, "maxReplicas": 2},
@@ -168,6 +171,12 @@ INVALID: tuple[Invalid, ...] = (
 
 # Borderline values both sides must judge alike (accepted: True).
 EDGES: tuple[tuple[str, dict[str, Any], bool], ...] = (
+    # The sidecar needs an http(s) URL with a port for its OTLP receiver (disagg_sidecar.config.check_url).
+    *((f"otlp {v}", {"monitoring": {"tracing": {"otlpEndpoint": v}}}, ok) for v, ok in [
+        ("http://otel.monitoring.svc:4318", True), ("https://10.0.0.7:4318/otlp", True),
+        ("http://otel.monitoring.svc", False), ("grpc://otel:4317", False), ("http://otel :4318", False)]),
+    *((f"sample ratio {v}", {"monitoring": {"tracing": {"otlpEndpoint": "http://otel:4318", "sampleRatio": v}}}, ok)
+      for v, ok in [(0, True), (1, True), (0.05, True), (-0.1, False), (1.01, False)]),
     *((f"source {v}", model(source=v), ok) for v, ok in [
         ("hf://Qwen/Qwen3-8B", True), ("hf://gpt2", True), ("pvc://models/qwen3/8b", True), ("pvc://models", True),
         ("/srv/models/qwen3", True), ("~/.cache/disagg/models/tiny-qwen3", True), ("Qwen/Qwen3-8B", False),

@@ -1,7 +1,9 @@
 """spec.autoscaling against the real control plane: the operator's planner scales a model's prefill
 and decode Deployments through their scale subresource on the signals a Prometheus answers, within
-the pools' bounds and the prefill:decode ratio, scales back down only after the stabilisation
-window, and explains each step (status.autoscaling, Events, the operator's metrics).
+the pools' bounds and the prefill:decode ratio (the ready pods' too, while the pools surge
+together), scales back down only after the stabilisation window, takes the prefill pods it removes
+out of the sidecars' selection (their KV-revision Service's EndpointSlices) before it shrinks the
+pool, and explains each step (status.autoscaling, Events, the operator's metrics).
 
 kwok's pods run no vLLM, so the signals come from a small real HTTP server answering Prometheus'
 query API (``/api/v1/query``) with values the test sets: the one fault this test injects."""
@@ -18,7 +20,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from disagg_operator import signals as sig
+from disagg_operator import names, retire, signals as sig
 from tests.harness.cluster import Cluster
 from tests.harness.operator import OperatorProcess
 from tests.operator.test_cluster import example, get
@@ -86,6 +88,29 @@ def replicas(cluster: Cluster, ns: str) -> tuple[int, int]:
                  for pool in ("prefill", "decode"))
 
 
+def ready(cluster: Cluster, ns: str) -> tuple[int, int]:
+    """Both pools' ready pods, read at once."""
+    found = {d["metadata"]["name"]: (d.get("status") or {}).get("readyReplicas") or 0 for d in get(
+        cluster, ns, "deployment", "qwen3-8b-prefill", "qwen3-8b-decode")["items"]}
+    return found["qwen3-8b-prefill"], found["qwen3-8b-decode"]
+
+
+def prefill_pods(cluster: Cluster, ns: str) -> dict[str, dict[str, Any]]:
+    selector = ",".join(f"{k}={v}" for k, v in names.selector("qwen3-8b", names.Role.PREFILL).items())
+    return {p["metadata"]["name"]: p for p in get(cluster, ns, "pods", "-l", selector)["items"]}
+
+
+def sidecar_selection(cluster: Cluster, ns: str) -> set[str]:
+    """The prefill pods the sidecars can choose: what their KV-revision Service's EndpointSlices list."""
+    services = [s["metadata"]["name"] for s in get(cluster, ns, "services", "-l", f"{names.INSTANCE}=qwen3-8b")["items"]
+                if s["metadata"]["name"].startswith("qwen3-8b-kv")]
+    assert len(services) == 1, services
+    out = cluster.kubectl("get", "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={services[0]}",
+                          "-o", "json")
+    return {e["targetRef"]["name"] for s in json.loads(out.stdout)["items"] for e in s.get("endpoints") or []
+            if e.get("targetRef")}
+
+
 def events(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
     out = cluster.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.kind=DisaggregatedModel",
                           "-o", "json")
@@ -113,14 +138,18 @@ def test_the_planner_scales_within_bounds_and_ratio_and_back_after_the_window(
 
     # Load: 40 waiting on 1 prefill pod against 4 per pod → prefill to its max 3; decode's own signal
     # (KV 10%) wants 1, the ratio (at most 1 prefill per decode pod) raises it to 3.
+    # Both pools surge together: each grows only as far as the other's ready pods keep 0.5-1.
     prometheus.values["waiting"] = 40.0
     seen: set[tuple[int, int]] = set()
 
     def scaled_up() -> bool:
-        seen.add(replicas(cluster, ns))
-        return replicas(cluster, ns) == (3, 3)
-    cluster.wait_for(scaled_up, "prefill and decode scaled up to 3", timeout=90)
+        now_ready = ready(cluster, ns)
+        assert 0.5 <= now_ready[0] / now_ready[1] <= 1, f"ready prefill:decode {now_ready} out of the ratio"
+        seen.add(current := replicas(cluster, ns))
+        return current == (3, 3) and now_ready == (3, 3)
+    cluster.wait_for(scaled_up, "prefill and decode scaled up to 3", timeout=120)
     assert all(1 <= p <= 3 and 1 <= d <= 4 for p, d in seen)
+    assert (1, 2) in seen and (2, 2) in seen, f"no steps: {sorted(seen)}"  # decode first: ratio min 0.5
     status = get(cluster, ns, "dm", "qwen3-8b")["status"]["autoscaling"]
     assert status["pools"]["prefill"]["desired"] == 3 and "waiting" in status["pools"]["prefill"]["reason"]
     assert "ratio" in status["pools"]["decode"]["reason"] and status["ratioHeld"] is True
@@ -128,18 +157,37 @@ def test_the_planner_scales_within_bounds_and_ratio_and_back_after_the_window(
     assert "ScaledUp" in reasons and "RatioHeld" in reasons
     scaled_up_at = time.monotonic()
 
-    # Idle again: nothing shrinks for the scale-down window, then both return to 1.
+    # Idle again: nothing shrinks for the scale-down window, then both return to 1; the two prefill
+    # pods that go leave the sidecars' selection first, and only those are deleted.
+    before = set(prefill_pods(cluster, ns))
+    assert sidecar_selection(cluster, ns) == before and len(before) == 3
     prometheus.values["waiting"] = 0.0
     idle_at = time.monotonic()
+    left_selection: dict[str, float] = {}  # marked pod -> when first seen out of the EndpointSlices
+    shrunk_at: list[float] = []
 
     def scaled_down() -> bool:
         current = replicas(cluster, ns)
+        pods, selection, now = prefill_pods(cluster, ns), sidecar_selection(cluster, ns), time.monotonic()
         if current != (3, 3):
-            assert time.monotonic() - idle_at >= DOWN_WINDOW - INTERVAL - 1, f"shrank early: {current}"
-        return current == (1, 1)
+            assert now - idle_at >= DOWN_WINDOW - INTERVAL - 1, f"shrank early: {current}"
+        for name, pod in pods.items():
+            if retire.marked(pod) and name not in selection:
+                left_selection.setdefault(name, now)
+            if pod["metadata"].get("deletionTimestamp"):
+                assert name not in selection, f"{name} is being removed and still selectable"
+        if current[0] < 3 and not shrunk_at:
+            shrunk_at.append(now)
+        return current == (1, 1) and len(pods) == 1
     cluster.wait_for(scaled_down, "prefill and decode back to 1", timeout=DOWN_WINDOW + 90)
     assert time.monotonic() - scaled_up_at >= DOWN_WINDOW - INTERVAL
-    assert "ScaledDown" in [e["reason"] for e in events(cluster, ns)]
+    gone = before - set(prefill_pods(cluster, ns))
+    assert set(left_selection) == gone and len(gone) == 2, (left_selection, gone)
+    assert all(at < shrunk_at[0] for at in left_selection.values()), "the pool shrank before its pods left the selection"
+    (kept,) = prefill_pods(cluster, ns).values()
+    assert not retire.marked(kept) and sidecar_selection(cluster, ns) == {kept["metadata"]["name"]}
+    reasons = [e["reason"] for e in events(cluster, ns)]
+    assert "ScaledDown" in reasons and "PrefillDeselected" in reasons
     metrics = operator.metrics()
     assert metrics.get('disagg_operator_planner_decisions_total{outcome="scaled_up"}', 0) >= 1
     assert metrics.get('disagg_operator_planner_decisions_total{outcome="scaled_down"}', 0) >= 1
@@ -174,3 +222,35 @@ def test_a_users_hpa_keeps_its_pool_and_the_planner_plans_the_other(
     # metrics server here, leaves the Deployment's 1).
     assert get(cluster, ns, "deployment", "qwen3-8b-decode")["spec"]["replicas"] == 1
     assert (pools["decode"]["current"], pools["decode"]["desired"]) == (1, 1)
+
+
+def test_removing_autoscaling_puts_prefill_pods_it_had_marked_back(
+        cluster: Cluster, operator: OperatorProcess, prometheus: FakePrometheus, ns: str) -> None:
+    doc = example()
+    doc["spec"]["pools"]["render"] = {"replicas": 0}
+    doc["spec"]["pools"]["prefill"]["replicas"] = 2
+    # One decision, then none for 10 minutes: the pod marked below stays marked until the spec changes.
+    doc["spec"]["autoscaling"] = {"prefill": {"minReplicas": 2, "maxReplicas": 2}, "decode": {"maxReplicas": 2},
+                                  "targets": {"waitingPerPrefillPod": 4}, "intervalSeconds": 600,
+                                  "prometheus": {"url": prometheus.url}}
+    prometheus.values["waiting"] = 0.0
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+    cluster.wait_for(lambda: get(cluster, ns, "dm", "qwen3-8b").get("status", {}).get("autoscaling"),
+                     "a first decision", timeout=120)
+    pods = cluster.wait_for(lambda: p if len(p := prefill_pods(cluster, ns)) == 2 else None, "two prefill pods",
+                            timeout=120)
+    name, pod = sorted(pods.items())[0]
+    revision = pod["metadata"]["labels"][names.KV_REVISION]
+    # Marked as the planner marks a pod it is about to scale away.
+    cluster.kubectl("patch", "pod", name, "-n", ns, "--type", "merge", "-p", json.dumps(retire.mark_patch(pod)))
+    cluster.wait_for(lambda: name not in sidecar_selection(cluster, ns), "the marked pod out of the selection",
+                     timeout=30)
+
+    del doc["spec"]["autoscaling"]
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+    cluster.wait_for(lambda: name in sidecar_selection(cluster, ns), "the pod back in the sidecars' selection",
+                     timeout=60)
+    back = prefill_pods(cluster, ns)[name]["metadata"]
+    assert back["labels"][names.KV_REVISION] == revision and not retire.marked({"metadata": back})
+    assert retire.DELETION_COST not in (back.get("annotations") or {})
+    assert "PrefillReselected" in [e["reason"] for e in events(cluster, ns)]

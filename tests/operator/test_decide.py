@@ -3,12 +3,13 @@ properties over random signal traces (no flapping inside the windows, ratio held
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
 import pytest
 
-from disagg_operator.decide import Recommendation, Replicas, Signals, decide, hold_ratio
+from disagg_operator.decide import Recommendation, Replicas, Signals, decide, hold_ratio, surge_step
 from disagg_operator.spec import AutoscalingSpec
 
 
@@ -183,3 +184,63 @@ def test_a_size_the_ratio_decided_says_so() -> None:
     # Without a ratio bound in the way, nothing is said about it.
     free = decide(spec(ratio={"min": 0, "max": 100}), Signals(waiting=40, kv_usage=0.1), Replicas(1, 1), (), now=0)
     assert not free.ratio_held and "ratio" not in free.reasons["decode"]
+
+
+# --- surging both pools together (surge_step) ------------------------------------------------------
+
+@pytest.mark.parametrize("ratio,target,current,ready,want", [
+    # ratio 0.5-1 from (1, 1) to (3, 3): decode may double on 1 ready prefill pod, prefill waits for decode.
+    ({"min": 0.5, "max": 1}, (3, 3), (1, 1), (1, 1), (1, 2)),
+    ({"min": 0.5, "max": 1}, (3, 3), (1, 2), (1, 1), (1, 2)),  # the new decode pod not ready yet: wait
+    ({"min": 0.5, "max": 1}, (3, 3), (1, 2), (1, 2), (2, 2)),
+    ({"min": 0.5, "max": 1}, (3, 3), (2, 2), (2, 2), (2, 3)),
+    ({"min": 0.5, "max": 1}, (3, 3), (2, 3), (2, 3), (3, 3)),
+    # min 0 (the default): decode is never held back by prefill.
+    ({"min": 0, "max": 100}, (6, 8), (1, 1), (1, 1), (6, 8)),
+    # A tight ratio (1-1) with every pod ready: both grow together, one pair at a time.
+    ({"min": 1, "max": 1}, (3, 3), (1, 1), (1, 1), (2, 2)),
+    ({"min": 1, "max": 1}, (3, 3), (2, 2), (1, 2), (2, 2)),  # a pod still coming up: wait
+    # Shrinking is not stepped.
+    ({"min": 0.5, "max": 1}, (1, 1), (3, 3), (3, 3), (1, 1)),
+])
+def test_surge_step(ratio, target, current, ready, want) -> None:
+    s = spec(ratio=ratio)
+    assert surge_step(s, Replicas(*target), Replicas(*current), Replicas(*ready)) == Replicas(*want)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_ready_pods_hold_the_ratio_while_both_pools_surge(seed: int) -> None:
+    """From sizes within the ratio to a target within it: pods come up one at a time in random order
+    between the planner's steps; the ready pods' ratio stays within bounds (except while a tight ratio
+    makes both pools grow at once) and the target is reached."""
+    rng = random.Random(seed)
+    s = random_spec(rng)
+    pairs = [(p, d) for p in range(s.prefill.min_replicas, s.prefill.max_replicas + 1)
+             for d in range(s.decode.min_replicas, s.decode.max_replicas + 1)
+             if s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9]
+    if not pairs:
+        return
+    start = min(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))
+    target = max(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))
+    current = ready = Replicas(*start)
+    for _ in range(200):
+        if ready == Replicas(*target):
+            break
+        step = surge_step(s, Replicas(*target), current, ready)
+        # Beyond what the other pool's ready pods allow: both grow at once (a tight ratio) ...
+        joint = step.prefill > max(current.prefill, math.floor(ready.decode * s.ratio.max + 1e-9)) or (
+            s.ratio.min > 0 and step.decode > max(current.decode, math.floor(ready.prefill / s.ratio.min + 1e-9)))
+        if joint:  # ... only once every pod is ready, and where growing one pool alone would leave the ratio
+            assert ready == current, (current, ready, step)
+            for p, d in ((current.prefill + 1, current.decode), (current.prefill, current.decode + 1)):
+                assert not (p <= target[0] and d <= target[1] and s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9), (
+                    current, step)
+        assert current.prefill <= step.prefill <= target[0] and current.decode <= step.decode <= target[1]
+        current = step
+        while ready != current:  # the new pods become ready, one at a time, in any order
+            pools = [pool for pool in ("prefill", "decode") if getattr(ready, pool) < getattr(current, pool)]
+            pool = rng.choice(pools)
+            ready = Replicas(ready.prefill + (pool == "prefill"), ready.decode + (pool == "decode"))
+            if not joint:
+                assert s.ratio.min - 1e-9 <= ready.prefill / ready.decode <= s.ratio.max + 1e-9, (current, ready)
+    assert ready == Replicas(*target), f"stuck at {ready} on the way to {target}"

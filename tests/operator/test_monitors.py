@@ -103,3 +103,41 @@ def test_status_says_which_monitors_exist_and_why_not(setting: str) -> None:
         assert POD_MONITOR.crd in conditions["PodMonitorsReady"]["message"]
     else:  # auto: nothing to report
         assert "PodMonitorsReady" not in conditions
+
+
+def sidecar_file(plan: Plan) -> dict[str, Any]:
+    import yaml
+
+    from disagg_operator.objects.configmaps import SIDECAR_CONFIG_FILE
+
+    (config_map,) = [o for o in build_objects(plan) if o["kind"] == "ConfigMap" and SIDECAR_CONFIG_FILE in o["data"]]
+    return yaml.safe_load(config_map["data"][SIDECAR_CONFIG_FILE])
+
+
+def test_tracing_points_the_sidecars_at_the_otlp_endpoint() -> None:
+    from disagg_sidecar.config import SidecarConfig
+
+    spec = merged(full_spec(), {"monitoring": {"tracing": {"otlpEndpoint": "http://otel.monitoring.svc:4318",
+                                                           "sampleRatio": 0.25}}})
+    plan = plan_of(spec)
+    written = sidecar_file(plan)
+    assert plan.kv_revision is not None
+    assert written["tracing"] == {"otlp_endpoint": "http://otel.monitoring.svc:4318", "sample_ratio": 0.25,
+                                  "resource_attributes": {"disagg.pool": "decode", "disagg.model": "qwen3-8b",
+                                                          "k8s.namespace.name": "prod",
+                                                          "disagg.kv_revision": plan.kv_revision}}
+    assert SidecarConfig.model_validate(written).tracing is not None  # the sidecar reads what was written
+    assert "tracing" not in sidecar_file(plan_of(full_spec())), "off unless asked for"
+
+
+@pytest.mark.parametrize("tracing,problem", [
+    ({"otlpEndpoint": "http://otel.monitoring.svc:4318", "sampleRatio": 1.5}, "sampleRatio must be between 0 and 1"),
+    ({"otlpEndpoint": "http://otel.monitoring.svc"}, "otlpEndpoint"),  # the sidecar needs the port
+    ({"otlpEndpoint": "file:///spans"}, "otlpEndpoint"),
+])
+def test_a_tracing_spec_the_sidecar_cannot_use_is_refused(tracing: dict[str, Any], problem: str) -> None:
+    from disagg_operator.manifest import parse_spec
+    from disagg_operator.spec import SpecError
+
+    with pytest.raises(SpecError, match=problem):
+        parse_spec(merged(full_spec(), {"monitoring": {"tracing": tracing}}))

@@ -398,7 +398,8 @@ def test_every_managed_kind_can_be_applied_and_the_chart_grants_it() -> None:
     # rbacRules: coreRules, plus monitorRules and plannerRules when their values are on (the defaults).
     granted = {(g, r): set(rule["verbs"]) for rule in [*rules("coreRules"), *rules("monitorRules")]
                for g in rule["apiGroups"] for r in rule["resources"]}
-    assert rules("plannerRules") == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["patch"]}]
+    assert rules("plannerRules") == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["patch"]},
+                                     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]}]
     for kind in MANAGED_KINDS:
         group = kind.api_version.rpartition("/")[0]
         if kind.create_only:  # created once and never read back: create and nothing else

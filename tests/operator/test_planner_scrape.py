@@ -75,9 +75,13 @@ class Api:
     def scale(self, namespace: str, deployment: str, replicas: int) -> None:
         self.scaled.append((deployment, replicas))
 
+    def pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        return []  # no prefill pod marked to leave (tests/operator/test_retire.py)
+
 
 def deployments(prefill: int, decode: int) -> dict[str, dict[str, Any]]:
-    return {"qwen3-8b-prefill": {"spec": {"replicas": prefill}}, "qwen3-8b-decode": {"spec": {"replicas": decode}}}
+    return {"qwen3-8b-prefill": {"spec": {"replicas": prefill}, "status": {"readyReplicas": prefill}},
+            "qwen3-8b-decode": {"spec": {"replicas": decode}, "status": {"readyReplicas": decode}}}
 
 
 def test_scraped_engines_drive_a_scale_up_and_a_dead_pod_is_reported(engines: Engines) -> None:

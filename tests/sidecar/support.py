@@ -290,10 +290,21 @@ class FakeEngine:
 
 
 @contextmanager
-def fake_engine() -> Iterator[FakeEngine]:
-    engine = FakeEngine()
+def serving(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Iterator[str]:
+    """``handler`` for every path on a free loopback port, in a loop thread of its own: its URL."""
     lt = LoopThread()
     port = free_port()
+    runner = lt.run(serve_every_path(handler, port))
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        lt.run(runner.cleanup())
+        lt.close()
+
+
+@contextmanager
+def fake_engine() -> Iterator[FakeEngine]:
+    engine = FakeEngine()
 
     async def handle(request: web.Request) -> web.Response:
         raw = await request.read()
@@ -311,13 +322,8 @@ def fake_engine() -> Iterator[FakeEngine]:
             return web.Response(status=404)
         return web.Response(status=400, body=REFUSED, content_type="application/json")
 
-    runner = lt.run(serve_every_path(handle, port))
-    engine.url = f"http://127.0.0.1:{port}"
-    try:
+    with serving(handle) as engine.url:
         yield engine
-    finally:
-        lt.run(runner.cleanup())
-        lt.close()
 
 
 def fake_config(engine: FakeEngine, **overrides: Any) -> dict[str, Any]:

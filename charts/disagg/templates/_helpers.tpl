@@ -59,7 +59,7 @@ plus create for a new object; delete with a uid precondition when pruning), hand
 indices and event handlers list+watch every managed kind; kopf patches the model for its
 annotations and its status subresource; kopf.info/warn post core/v1 Events) and objects/rbac.py
 (the sidecar Role grants endpointslices get/list/watch; RBAC forbids granting what one does not hold).
-No Secrets, no pods, no cluster-scoped objects.
+No Secrets, no cluster-scoped objects; pods only for the planner (list, patch).
 */}}
 {{- define "disagg.rbacRules" -}}
 {{- include "disagg.coreRules" . }}
@@ -78,11 +78,15 @@ No Secrets, no pods, no cluster-scoped objects.
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end -}}
 
-{{/* The planner (planner.py) sets replica counts through the scale subresource and nothing else. */}}
+{{/* The planner (planner.py) sets replica counts through the scale subresource, and takes a prefill
+pod it scales away out of the sidecars' selection first (retire.py: a label and two annotations). */}}
 {{- define "disagg.plannerRules" -}}
 - apiGroups: ["apps"]
   resources: ["deployments/scale"]
   verbs: ["patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "patch"]
 {{- end -}}
 
 {{- define "disagg.coreRules" -}}

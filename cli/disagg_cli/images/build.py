@@ -138,11 +138,14 @@ def light_dependencies(deps: Path) -> list[metadata.Distribution]:
 
 
 def copy_distribution(dist: metadata.Distribution, deps: Path, site: Path) -> None:
+    """The distribution's top-level packages, whole. A namespace package several distributions share
+    (``opentelemetry/``) is copied once, by the first of them: the whole directory, theirs included."""
     tops = {f.parts[0] for f in dist.files or [] if not f.parts[0].startswith("..")}
     for top in tops:
         src = deps / top
         if src.is_dir():
-            link_tree(src, site / top)
+            if not (site / top).exists():
+                link_tree(src, site / top)
         elif src.is_file():
             shutil.copy2(src, site / top)
 

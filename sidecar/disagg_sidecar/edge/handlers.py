@@ -48,6 +48,18 @@ def valid_traceparent(value: str) -> bool:
     return version != "ff" and trace != "0" * 32 and parent != "0" * 16
 
 
+def trace_headers(request: web.Request) -> dict[str, str]:
+    """The client's trace context the legs carry (and the request's span continues): an invalid
+    ``traceparent`` is dropped, as W3C says, and ``tracestate`` goes only with a valid one."""
+    traceparent = request.headers.get(wire.TRACEPARENT)
+    if not traceparent or not valid_traceparent(traceparent):
+        return {}
+    headers = {wire.TRACEPARENT: traceparent}
+    if (tracestate := request.headers.get(wire.TRACESTATE)) and len(tracestate) <= _TRACESTATE_MAX:
+        headers[wire.TRACESTATE] = tracestate
+    return headers
+
+
 def _too_large(limit: int) -> SidecarError:
     return SidecarError(413, f"request body larger than {limit} bytes (max_body_bytes)",
                         type_="RequestEntityTooLargeError")
@@ -105,12 +117,7 @@ def context(request: web.Request, body: Any) -> Context:
         ids = [body_id]  # what vLLM itself uses when there is no header
     # Clients may repeat ids; the engines get one of their own per request (aborts go by it).
     request_id, engine_id = (ids[0], f"{ids[0]}-{uuid.uuid4().hex[:12]}") if ids else (uuid.uuid4().hex, None)
-    headers = {wire.REQUEST_ID: request_id}
-    traceparent = request.headers.get(wire.TRACEPARENT)
-    if traceparent and valid_traceparent(traceparent):  # an invalid one is dropped, as W3C says
-        headers[wire.TRACEPARENT] = traceparent
-        if (tracestate := request.headers.get(wire.TRACESTATE)) and len(tracestate) <= _TRACESTATE_MAX:
-            headers[wire.TRACESTATE] = tracestate
+    headers = {wire.REQUEST_ID: request_id, **trace_headers(request)}
     state = request.app[STATE]
     target = None
     if state.config.prefill.trust_prefiller_header:

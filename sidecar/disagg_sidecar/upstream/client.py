@@ -25,6 +25,7 @@ from disagg_sidecar.budget import ANSWER_BYTE_COST, STREAM_BYTE_COST, Charge, Re
 from disagg_sidecar.config import SidecarConfig
 from disagg_sidecar.upstream.endpoints import EndpointPool
 from disagg_sidecar.metrics import Metrics, api_var
+from disagg_sidecar.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,9 @@ class InFlight:
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, config: SidecarConfig, metrics: Metrics,
-                 render: EndpointPool, derender: EndpointPool, prefill: EndpointPool):
+                 render: EndpointPool, derender: EndpointPool, prefill: EndpointPool, tracing: Tracing | None = None):
         self.session = session
+        self.tracing = tracing or Tracing(None)  # a span per leg attempt when configured
         self.config = config
         self.metrics = metrics
         self.pools: dict[PoolLeg, EndpointPool] = {"render": render, "derender": derender, "prefill": prefill}
@@ -177,18 +179,26 @@ class Upstream:
         """POST and read the whole answer (charged to ``held``); transport failures become ``LegError``."""
         started = time.monotonic()
         charge = Charge(held) if held is not None else None
-        try:
-            async with self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
-                                         timeout=self.timeouts[leg], **NO_REDIRECTS) as resp:
-                if is_redirect(resp.status):
-                    raise LegError(leg, "redirect", url, resp.status)
-                if encoded(resp):
-                    raise LegError(leg, "invalid", url, resp.status, detail="a compressed answer")
-                return Reply(resp.status, await read_bounded(resp, leg, url, self.answer_bytes[leg], charge), url, charge)
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            raise transport_error(leg, url, exc) from exc
-        finally:
-            self.metrics.leg_seconds.labels(leg, api_var.get()).observe(time.monotonic() - started)
+        with self.tracing.leg(leg, url, path, headers) as (span, headers):
+            try:
+                async with self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
+                                             timeout=self.timeouts[leg], **NO_REDIRECTS) as resp:
+                    span.answered(resp.status)
+                    if is_redirect(resp.status):
+                        raise LegError(leg, "redirect", url, resp.status)
+                    if encoded(resp):
+                        raise LegError(leg, "invalid", url, resp.status, detail="a compressed answer")
+                    return Reply(resp.status, await read_bounded(resp, leg, url, self.answer_bytes[leg], charge), url,
+                                 charge)
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                error = transport_error(leg, url, exc)
+                span.failed(error.kind)
+                raise error from exc
+            except LegError as exc:
+                span.failed(exc.kind)
+                raise
+            finally:
+                self.metrics.leg_seconds.labels(leg, api_var.get()).observe(time.monotonic() - started)
 
     # -- a pool leg with retries ---------------------------------------------------------------
 
@@ -250,39 +260,49 @@ class Upstream:
         url = self.decode_url
         if inflight is not None:
             headers = inflight.headers
-        try:
-            resp = await self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
-                                           timeout=self.stream_timeout if stream else self.timeouts["decode"],
-                                           **NO_REDIRECTS)
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            error = transport_error("decode", url, exc)
-            self.metrics.leg_errors.labels("decode", error.kind).inc()
-            raise error from exc
-        if is_redirect(resp.status) or encoded(resp):
-            resp.close()
-            kind = "redirect" if is_redirect(resp.status) else "invalid"
-            self.metrics.leg_errors.labels("decode", kind).inc()
-            raise LegError("decode", kind, url, resp.status, detail="" if kind == "redirect" else "a compressed answer")
-        if inflight is not None:
-            inflight.urls.add(url)
-        try:
-            yield resp
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            # Reading the body failed (stalled past the leg timeout, or the engine went away after
-            # its headers); other legs inside this block raise LegError themselves.
-            resp.close()
-            error = transport_error("decode", url, exc)
-            self.metrics.leg_errors.labels("decode", error.kind).inc()
-            raise error from exc
-        except BaseException:
-            resp.close()  # left in `inflight`: a disconnect handler aborts it
-            raise
-        else:
+        with self.tracing.leg("decode", url, path, headers) as (span, headers):
+            try:
+                resp = await self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
+                                               timeout=self.stream_timeout if stream else self.timeouts["decode"],
+                                               **NO_REDIRECTS)
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                error = transport_error("decode", url, exc)
+                self.metrics.leg_errors.labels("decode", error.kind).inc()
+                span.failed(error.kind)
+                raise error from exc
+            span.answered(resp.status)
+            if is_redirect(resp.status) or encoded(resp):
+                resp.close()
+                kind = "redirect" if is_redirect(resp.status) else "invalid"
+                self.metrics.leg_errors.labels("decode", kind).inc()
+                span.failed(kind)
+                raise LegError("decode", kind, url, resp.status, detail="" if kind == "redirect" else "a compressed answer")
             if inflight is not None:
-                inflight.urls.discard(url)
-        finally:
-            resp.release()
-            self.metrics.leg_seconds.labels("decode", api_var.get()).observe(time.monotonic() - started)
+                inflight.urls.add(url)
+            try:
+                yield resp
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                # Reading the body failed (stalled past the leg timeout, or the engine went away after
+                # its headers); other legs inside this block raise LegError themselves.
+                resp.close()
+                error = transport_error("decode", url, exc)
+                self.metrics.leg_errors.labels("decode", error.kind).inc()
+                span.failed(error.kind)
+                raise error from exc
+            except LegError as exc:
+                resp.close()
+                if exc.leg == "decode":  # a bad decode answer; another leg's failure is on its own span
+                    span.failed(exc.kind)
+                raise
+            except BaseException:
+                resp.close()  # left in `inflight`: a disconnect handler aborts it
+                raise
+            else:
+                if inflight is not None:
+                    inflight.urls.discard(url)
+            finally:
+                resp.release()
+                self.metrics.leg_seconds.labels("decode", api_var.get()).observe(time.monotonic() - started)
 
     # -- aborts, probes --------------------------------------------------------------------------
 
@@ -396,9 +416,11 @@ class Upstream:
                              headers: Mapping[str, str]) -> AsyncIterator[aiohttp.ClientResponse]:
         """A derender session (``derender.sessions``): ``lines`` written as they come, the answer
         open; with the streamed decode leg's timeouts (a session lives as long as its decode stream)."""
-        async with self.session.post(url, data=lines, headers={**headers, "Content-Type": "application/x-ndjson"},
-                                     timeout=self.stream_timeout, **NO_REDIRECTS) as resp:
-            yield resp
+        with self.tracing.leg("derender", url, "", headers) as (span, headers):
+            async with self.session.post(url, data=lines, headers={**headers, "Content-Type": "application/x-ndjson"},
+                                         timeout=self.stream_timeout, **NO_REDIRECTS) as resp:
+                span.answered(resp.status)
+                yield resp
 
     async def close(self) -> None:
         # Aborts sent as the last streams were cut (drain deadline) get a moment to land.
