@@ -8,7 +8,12 @@ the same answer in one piece, divided by the chunks). Sides alternate within eac
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import requests
@@ -19,6 +24,7 @@ from benchmarks.procs import cpu_seconds
 from benchmarks.profile import profile
 from benchmarks.stack import sidecar, sidecar_config
 from benchmarks.stats import median, quantile, summary
+from disagg_engine.servers import free_port
 
 CONCURRENCY = (1, 16, 64)
 KINDS = ("chat", "chat_stream", "generate", "generate_stream")
@@ -91,20 +97,57 @@ def run(ctx) -> dict[str, Any]:
     return result
 
 
+@contextmanager
+def relay_floor(target: str) -> Iterator[tuple[str, int]]:
+    """``benchmarks.relayfloor`` in front of ``target``, as its own process; its URL and pid."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.relayfloor", target, str(port)])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the relay floor did not start") from None
+                time.sleep(0.1)  # polling for the port, bounded by the deadline
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def per_chunk_cpu(ctx, sset, side, rounds: int) -> dict[str, Any]:
-    """Sidecar CPU of a long streamed chat minus the same answer in one piece, per relayed chunk."""
+    """CPU of a long streamed answer minus the same answer in one piece, per relayed chunk: the
+    sidecar's for a chat (inline: each chunk parsed, checked and reshaped) and for a
+    GenerateRequest (passed through: each event parsed and checked), and the relay floor's for the
+    same GenerateRequest (``benchmarks.relayfloor``: bytes forwarded, nothing parsed). Sides alternate."""
     tokens = ctx.sizes("chunk_tokens", 512)
     ids = plain_ids(tokens, ctx.tokenizer())
-    out = []
-    for r in range(max(rounds, 3)):
-        _, _, batch_cpu = timed(side.url + CHAT, [short_chat(ids, False, r)], 1, side.proc.pid)
-        samples, _, stream_cpu = timed(side.url + CHAT, [short_chat(ids, True, r)], 1, side.proc.pid)
-        chunks = samples[0].chunks
-        out.append({"chunks": chunks, "stream_cpu_s": stream_cpu, "batch_cpu_s": batch_cpu,
-                    "us_per_chunk": 1e6 * (stream_cpu - batch_cpu) / chunks,
-                    "us_per_chunk_upper": 1e6 * stream_cpu / chunks})
-    return {"tokens": tokens, "runs": out, "us_per_chunk": summary([o["us_per_chunk"] for o in out]),
-            "us_per_chunk_upper": summary([o["us_per_chunk_upper"] for o in out])}
+    render = sset.url("render") + "/v1/chat/completions/render"
+    out: dict[str, list[dict[str, Any]]] = {"chat": [], "generate": [], "floor": []}
+    with relay_floor(sset.url("decode")) as (floor, floor_pid):
+        sides = {"chat": (side.url + CHAT, side.proc.pid), "generate": (side.url + GENERATE, side.proc.pid),
+                 "floor": (floor + GENERATE, floor_pid)}
+        for r in range(max(rounds, 3)):
+            chats = [short_chat(ids, False, r), short_chat(ids, True, r)]
+            gens = [requests.post(render, json=c, timeout=60).json() for c in chats]
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                url, pid = sides[name]
+                batch, stream = chats if name == "chat" else gens
+                _, _, batch_cpu = timed(url, [batch], 1, pid)
+                samples, _, stream_cpu = timed(url, [stream], 1, pid)
+                chunks = samples[0].chunks
+                out[name].append({"chunks": chunks, "stream_cpu_s": stream_cpu, "batch_cpu_s": batch_cpu,
+                                  "us_per_chunk": 1e6 * (stream_cpu - batch_cpu) / chunks,
+                                  "us_per_chunk_upper": 1e6 * stream_cpu / chunks})
+    result = {"tokens": tokens, "runs": out["chat"], "us_per_chunk": summary([o["us_per_chunk"] for o in out["chat"]]),
+              "us_per_chunk_upper": summary([o["us_per_chunk_upper"] for o in out["chat"]])}
+    for name in ("generate", "floor"):
+        result[name] = {"runs": out[name], "us_per_chunk": summary([o["us_per_chunk"] for o in out[name]])}
+    return result
+
 
 
 def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +183,8 @@ def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
         f"proxy_added_p99_ms_c{hi}": chat[hi]["added_p99_ms"]["median"],
         "sidecar_cpu_ms_per_request": chat[lo]["sidecar_cpu_ms_per_request"]["median"],
         "sidecar_cpu_us_per_chunk": chunk_cost["us_per_chunk"]["median"],
+        "sidecar_generate_cpu_us_per_chunk": chunk_cost["generate"]["us_per_chunk"]["median"],
+        "relay_floor_cpu_us_per_chunk": chunk_cost["floor"]["us_per_chunk"]["median"],
         f"proxy_throughput_ratio_c{hi}": chat[hi]["throughput_ratio"]["median"],
         f"proxy_stream_throughput_ratio_c{hi}": table["chat_stream"][hi]["throughput_ratio"]["median"],
     }

@@ -86,6 +86,11 @@ def _proxy(r: dict[str, Any]) -> list[str]:
     lines += ["", f"Sidecar CPU per relayed chunk ({cc['tokens']}-token chat stream minus the same answer in one piece): "
               f"{fmt_spread(cc['us_per_chunk'], 1)} µs; all of the stream's sidecar CPU per chunk: "
               f"{fmt_spread(cc['us_per_chunk_upper'], 1)} µs."]
+    if "floor" in cc:  # runs before the relay floor was measured have none
+        lines += ["", f"The same answer as a streamed GenerateRequest, per chunk: through the sidecar (each event "
+                  f"parsed and checked, its bytes passed on) {fmt_spread(cc['generate']['us_per_chunk'], 1)} µs; "
+                  f"through a bare aiohttp relay that parses nothing (`benchmarks/relayfloor.py`, the floor of "
+                  f"this stack on this machine) {fmt_spread(cc['floor']['us_per_chunk'], 1)} µs."]
     if prof := r.get("profile"):
         if "error" in prof:
             lines += ["", f"Profile: {prof['error']}"]
