@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goals import check_all
-from benchmarks.stats import fmt, fmt_spread
+from benchmarks.stats import fmt, fmt_spread, summary
 
 ORDER = ("proxy", "derender", "serve", "operator", "soak", "prefix")
 
@@ -90,7 +90,9 @@ def _proxy(r: dict[str, Any]) -> list[str]:
         lines += ["", f"The same answer as a streamed GenerateRequest, per chunk: through the sidecar (each event "
                   f"parsed and checked, its bytes passed on) {fmt_spread(cc['generate']['us_per_chunk'], 1)} µs; "
                   f"through a bare aiohttp relay that parses nothing (`benchmarks/relayfloor.py`, the floor of "
-                  f"this stack on this machine) {fmt_spread(cc['floor']['us_per_chunk'], 1)} µs."]
+                  f"this stack on this machine) {fmt_spread(cc['floor']['us_per_chunk'], 1)} µs. The same answer in "
+                  f"one piece, CPU per request: sidecar {fmt_spread(summary([1e3 * x['batch_cpu_s'] for x in cc['generate']['runs']]))} ms, "
+                  f"floor {fmt_spread(summary([1e3 * x['batch_cpu_s'] for x in cc['floor']['runs']]))} ms."]
     if prof := r.get("profile"):
         if "error" in prof:
             lines += ["", f"Profile: {prof['error']}"]
