@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.client import Sample, run_load
 from benchmarks.outputs import plain_ids, short_chat
@@ -73,11 +74,13 @@ def run(ctx) -> dict[str, Any]:
                 for c in raw[kind]:
                     path, reqs = bodies(ctx, sset, kind, max(per, 2 * c), SHORT_TOKENS)
                     for name, (base, pid) in sides.items():
+                        before = leg_seconds(side.url) if pid else {}
                         samples, wall, cpu = timed(base + path, reqs, c, pid)
+                        legs = leg_ms_per_request(before, leg_seconds(side.url), len(samples)) if pid else {}
                         raw[kind][c][name].append({
                             "latency": [s.latency for s in samples], "ttft": [s.ttft for s in samples],
                             "gaps": [g for s in samples for g in s.gaps], "chunks": sum(s.chunks for s in samples),
-                            "wall": wall, "requests": len(samples), "cpu": cpu})
+                            "wall": wall, "requests": len(samples), "cpu": cpu, "legs_ms": legs})
                     d, s = raw[kind][c]["direct"][-1], raw[kind][c]["sidecar"][-1]
                     ctx.log(f"proxy r{r} {kind} c={c}: p50 direct {1e3 * median(d['latency']):.1f} ms, sidecar "
                             f"{1e3 * median(s['latency']):.1f} ms, sidecar CPU/req {1e3 * s['cpu'] / s['requests']:.2f} ms")
@@ -95,6 +98,26 @@ def run(ctx) -> dict[str, Any]:
             result["profile"] = profile(side.proc.pid, load, ctx.out / "profile-sidecar.txt",
                                         seconds=ctx.sizes("profile_seconds", 20))
     return result
+
+
+def leg_seconds(url: str) -> dict[str, tuple[float, float]]:
+    """The sidecar's ``disagg_sidecar_leg_seconds`` per leg (all APIs): (sum, count)."""
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
+        if family.name != "disagg_sidecar_leg_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                acc = out.setdefault(sample.labels["leg"], [0.0, 0.0])
+                acc[sample.name.endswith("_count")] += sample.value
+    return {leg: (v[0], v[1]) for leg, v in out.items()}
+
+
+def leg_ms_per_request(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                       requests_: int) -> dict[str, float]:
+    """Each leg's own time between two scrapes, in ms per client request."""
+    return {leg: 1e3 * (after[leg][0] - before.get(leg, (0.0, 0.0))[0]) / requests_
+            for leg in after if after[leg][1] > before.get(leg, (0.0, 0.0))[1]}
 
 
 @contextmanager
@@ -172,6 +195,13 @@ def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
                                            for a, b in zip(d, s)])
             row["added_ttft_p50_ms"] = summary([1e3 * (quantile(b["ttft"], 0.5) - quantile(a["ttft"], 0.5))
                                                 for a, b in zip(d, s)])
+            # Beyond the legs' own time: the added p50 minus the render and prefill legs' mean time
+            # per request (the decode leg is the direct side's whole answer).
+            row["legs_ms"] = {leg: summary([b["legs_ms"].get(leg, 0.0) for b in s])
+                              for leg in sorted({leg for b in s for leg in b["legs_ms"]})}
+            row["added_beyond_legs_p50_ms"] = summary([
+                1e3 * (quantile(b["latency"], 0.5) - quantile(a["latency"], 0.5))
+                - sum(v for leg, v in b["legs_ms"].items() if leg in ("render", "prefill")) for a, b in zip(d, s)])
             row["throughput_ratio"] = summary([(b["requests"] / b["wall"]) / (a["requests"] / a["wall"])
                                                for a, b in zip(d, s)])
             row["sidecar_cpu_ms_per_request"] = summary([1e3 * b["cpu"] / b["requests"] for b in s])
@@ -180,6 +210,7 @@ def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
     lo, hi = min(chat), max(chat)
     keys = {
         f"proxy_added_p50_ms_c{lo}": chat[lo]["added_p50_ms"]["median"],
+        f"proxy_added_beyond_legs_p50_ms_c{lo}": chat[lo]["added_beyond_legs_p50_ms"]["median"],
         f"proxy_added_p99_ms_c{hi}": chat[hi]["added_p99_ms"]["median"],
         "sidecar_cpu_ms_per_request": chat[lo]["sidecar_cpu_ms_per_request"]["median"],
         "sidecar_cpu_us_per_chunk": chunk_cost["us_per_chunk"]["median"],
