@@ -71,10 +71,6 @@ def dumps(obj: Any) -> bytes:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def dumps_text(obj: Any) -> str:
-    return dumps(obj).decode()
-
-
 def loads(raw: bytes | str) -> Any:
     """JSON from an upstream, strictly: not UTF-8, ``NaN``/``Infinity``, ints past 64 bits or
     lone surrogates raise ``ValueError`` (orjson's ``JSONDecodeError``)."""
