@@ -72,8 +72,9 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(raw: bytes | str) -> Any:
-    """JSON from an upstream, strictly: not UTF-8, ``NaN``/``Infinity``, ints past 64 bits or
-    lone surrogates raise ``ValueError`` (orjson's ``JSONDecodeError``)."""
+    """JSON from an upstream, strictly: not UTF-8, ``NaN``/``Infinity``, lone surrogates or nesting
+    past 1,024 levels raise ``ValueError`` (orjson's ``JSONDecodeError``). An int past 64 bits reads
+    as a float, which every check of an int field (token ids, indices) refuses."""
     return orjson.loads(raw)
 
 

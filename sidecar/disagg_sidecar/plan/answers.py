@@ -25,8 +25,8 @@ class InvalidAnswer(ValueError):
 
 
 def parse(raw: bytes) -> Any:
-    """JSON, strictly (``sse.loads``): not UTF-8, not JSON, ``NaN``/``Infinity``, ints past 64
-    bits, lone surrogates or nesting past 1,024 levels are invalid answers."""
+    """JSON, strictly (``sse.loads``): not UTF-8, not JSON, ``NaN``/``Infinity``, lone surrogates
+    or nesting past 1,024 levels are invalid answers."""
     try:
         return sse.loads(raw)
     except ValueError:
