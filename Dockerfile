@@ -1,5 +1,5 @@
 # The Disagg operator + sidecar image: the `disagg` package with its light default dependencies
-# (pydantic, PyYAML, aiohttp, kopf, kubernetes, prometheus-client). No vLLM, no torch: the engine
+# (pydantic, PyYAML, aiohttp, orjson, kopf, kubernetes, prometheus-client). No vLLM, no torch: the engine
 # pods run the vLLM images named in each DisaggregatedModel.
 #
 #   docker build -t ghcr.io/disagg/disagg:0.1.0 .

@@ -8,10 +8,16 @@ the same answer in one piece, divided by the chunks). Sides alternate within eac
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.client import Sample, run_load
 from benchmarks.outputs import plain_ids, short_chat
@@ -19,6 +25,7 @@ from benchmarks.procs import cpu_seconds
 from benchmarks.profile import profile
 from benchmarks.stack import sidecar, sidecar_config
 from benchmarks.stats import median, quantile, summary
+from disagg_engine.servers import free_port
 
 CONCURRENCY = (1, 16, 64)
 KINDS = ("chat", "chat_stream", "generate", "generate_stream")
@@ -67,11 +74,13 @@ def run(ctx) -> dict[str, Any]:
                 for c in raw[kind]:
                     path, reqs = bodies(ctx, sset, kind, max(per, 2 * c), SHORT_TOKENS)
                     for name, (base, pid) in sides.items():
+                        before = leg_seconds(side.url) if pid else {}
                         samples, wall, cpu = timed(base + path, reqs, c, pid)
+                        legs = leg_ms_per_request(before, leg_seconds(side.url), len(samples)) if pid else {}
                         raw[kind][c][name].append({
                             "latency": [s.latency for s in samples], "ttft": [s.ttft for s in samples],
                             "gaps": [g for s in samples for g in s.gaps], "chunks": sum(s.chunks for s in samples),
-                            "wall": wall, "requests": len(samples), "cpu": cpu})
+                            "wall": wall, "requests": len(samples), "cpu": cpu, "legs_ms": legs})
                     d, s = raw[kind][c]["direct"][-1], raw[kind][c]["sidecar"][-1]
                     ctx.log(f"proxy r{r} {kind} c={c}: p50 direct {1e3 * median(d['latency']):.1f} ms, sidecar "
                             f"{1e3 * median(s['latency']):.1f} ms, sidecar CPU/req {1e3 * s['cpu'] / s['requests']:.2f} ms")
@@ -91,20 +100,77 @@ def run(ctx) -> dict[str, Any]:
     return result
 
 
+def leg_seconds(url: str) -> dict[str, tuple[float, float]]:
+    """The sidecar's ``disagg_sidecar_leg_seconds`` per leg (all APIs): (sum, count)."""
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(requests.get(url + "/metrics", timeout=10).text):
+        if family.name != "disagg_sidecar_leg_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                acc = out.setdefault(sample.labels["leg"], [0.0, 0.0])
+                acc[sample.name.endswith("_count")] += sample.value
+    return {leg: (v[0], v[1]) for leg, v in out.items()}
+
+
+def leg_ms_per_request(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                       requests_: int) -> dict[str, float]:
+    """Each leg's own time between two scrapes, in ms per client request."""
+    return {leg: 1e3 * (after[leg][0] - before.get(leg, (0.0, 0.0))[0]) / requests_
+            for leg in after if after[leg][1] > before.get(leg, (0.0, 0.0))[1]}
+
+
+@contextmanager
+def relay_floor(target: str) -> Iterator[tuple[str, int]]:
+    """``benchmarks.relayfloor`` in front of ``target``, as its own process; its URL and pid."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.relayfloor", target, str(port)])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the relay floor did not start") from None
+                time.sleep(0.1)  # polling for the port, bounded by the deadline
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def per_chunk_cpu(ctx, sset, side, rounds: int) -> dict[str, Any]:
-    """Sidecar CPU of a long streamed chat minus the same answer in one piece, per relayed chunk."""
+    """CPU of a long streamed answer minus the same answer in one piece, per relayed chunk: the
+    sidecar's for a chat (inline: each chunk parsed, checked and reshaped) and for a
+    GenerateRequest (passed through: each event parsed and checked), and the relay floor's for the
+    same GenerateRequest (``benchmarks.relayfloor``: bytes forwarded, nothing parsed). Sides alternate."""
     tokens = ctx.sizes("chunk_tokens", 512)
     ids = plain_ids(tokens, ctx.tokenizer())
-    out = []
-    for r in range(max(rounds, 3)):
-        _, _, batch_cpu = timed(side.url + CHAT, [short_chat(ids, False, r)], 1, side.proc.pid)
-        samples, _, stream_cpu = timed(side.url + CHAT, [short_chat(ids, True, r)], 1, side.proc.pid)
-        chunks = samples[0].chunks
-        out.append({"chunks": chunks, "stream_cpu_s": stream_cpu, "batch_cpu_s": batch_cpu,
-                    "us_per_chunk": 1e6 * (stream_cpu - batch_cpu) / chunks,
-                    "us_per_chunk_upper": 1e6 * stream_cpu / chunks})
-    return {"tokens": tokens, "runs": out, "us_per_chunk": summary([o["us_per_chunk"] for o in out]),
-            "us_per_chunk_upper": summary([o["us_per_chunk_upper"] for o in out])}
+    render = sset.url("render") + "/v1/chat/completions/render"
+    out: dict[str, list[dict[str, Any]]] = {"chat": [], "generate": [], "floor": []}
+    with relay_floor(sset.url("decode")) as (floor, floor_pid):
+        sides = {"chat": (side.url + CHAT, side.proc.pid), "generate": (side.url + GENERATE, side.proc.pid),
+                 "floor": (floor + GENERATE, floor_pid)}
+        for r in range(max(rounds, 3)):
+            chats = [short_chat(ids, False, r), short_chat(ids, True, r)]
+            gens = [requests.post(render, json=c, timeout=60).json() for c in chats]
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                url, pid = sides[name]
+                batch, stream = chats if name == "chat" else gens
+                _, _, batch_cpu = timed(url, [batch], 1, pid)
+                samples, _, stream_cpu = timed(url, [stream], 1, pid)
+                chunks = samples[0].chunks
+                out[name].append({"chunks": chunks, "stream_cpu_s": stream_cpu, "batch_cpu_s": batch_cpu,
+                                  "us_per_chunk": 1e6 * (stream_cpu - batch_cpu) / chunks,
+                                  "us_per_chunk_upper": 1e6 * stream_cpu / chunks})
+    result = {"tokens": tokens, "runs": out["chat"], "us_per_chunk": summary([o["us_per_chunk"] for o in out["chat"]]),
+              "us_per_chunk_upper": summary([o["us_per_chunk_upper"] for o in out["chat"]])}
+    for name in ("generate", "floor"):
+        result[name] = {"runs": out[name], "us_per_chunk": summary([o["us_per_chunk"] for o in out[name]])}
+    return result
+
 
 
 def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +195,13 @@ def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
                                            for a, b in zip(d, s)])
             row["added_ttft_p50_ms"] = summary([1e3 * (quantile(b["ttft"], 0.5) - quantile(a["ttft"], 0.5))
                                                 for a, b in zip(d, s)])
+            # Beyond the legs' own time: the added p50 minus the render and prefill legs' mean time
+            # per request (the decode leg is the direct side's whole answer).
+            row["legs_ms"] = {leg: summary([b["legs_ms"].get(leg, 0.0) for b in s])
+                              for leg in sorted({leg for b in s for leg in b["legs_ms"]})}
+            row["added_beyond_legs_p50_ms"] = summary([
+                1e3 * (quantile(b["latency"], 0.5) - quantile(a["latency"], 0.5))
+                - sum(v for leg, v in b["legs_ms"].items() if leg in ("render", "prefill")) for a, b in zip(d, s)])
             row["throughput_ratio"] = summary([(b["requests"] / b["wall"]) / (a["requests"] / a["wall"])
                                                for a, b in zip(d, s)])
             row["sidecar_cpu_ms_per_request"] = summary([1e3 * b["cpu"] / b["requests"] for b in s])
@@ -137,9 +210,12 @@ def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
     lo, hi = min(chat), max(chat)
     keys = {
         f"proxy_added_p50_ms_c{lo}": chat[lo]["added_p50_ms"]["median"],
+        f"proxy_added_beyond_legs_p50_ms_c{lo}": chat[lo]["added_beyond_legs_p50_ms"]["median"],
         f"proxy_added_p99_ms_c{hi}": chat[hi]["added_p99_ms"]["median"],
         "sidecar_cpu_ms_per_request": chat[lo]["sidecar_cpu_ms_per_request"]["median"],
         "sidecar_cpu_us_per_chunk": chunk_cost["us_per_chunk"]["median"],
+        "sidecar_generate_cpu_us_per_chunk": chunk_cost["generate"]["us_per_chunk"]["median"],
+        "relay_floor_cpu_us_per_chunk": chunk_cost["floor"]["us_per_chunk"]["median"],
         f"proxy_throughput_ratio_c{hi}": chat[hi]["throughput_ratio"]["median"],
         f"proxy_stream_throughput_ratio_c{hi}": table["chat_stream"][hi]["throughput_ratio"]["median"],
     }

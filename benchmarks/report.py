@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goals import check_all
-from benchmarks.stats import fmt, fmt_spread
+from benchmarks.stats import fmt, fmt_spread, summary
 
 ORDER = ("proxy", "derender", "serve", "operator", "soak", "prefix")
 
@@ -82,10 +82,28 @@ def _proxy(r: dict[str, Any]) -> list[str]:
                          f"{fmt_spread(row['added_ttft_p50_ms'], 1)} | {fmt(d['chunk_gap_p50_ms'], 2)} / "
                          f"{fmt(s['chunk_gap_p50_ms'], 2)} | {fmt_spread(row['throughput_ratio'])} | "
                          f"{fmt_spread(row['sidecar_cpu_ms_per_request'])} |")
+    per_leg = []
+    for kind, by_c in r["table"].items():
+        row = by_c[min(by_c, key=int)]
+        if "legs_ms" in row:  # runs before the legs were timed have none
+            legs = ", ".join(f"{leg} {fmt_spread(v, 2)}" for leg, v in row["legs_ms"].items())
+            per_leg.append(f"{kind}: legs {legs}; added p50 {fmt_spread(row['added_p50_ms'], 1)}, beyond the render "
+                           f"and prefill legs {fmt_spread(row['added_beyond_legs_p50_ms'], 1)}")
+    if per_leg:
+        lines += ["", "At the lowest concurrency, each leg's own time in ms per request (the sidecar's "
+                  "`disagg_sidecar_leg_seconds`; decode to its last byte) and the added p50 in ms: "
+                  + "; ".join(per_leg) + "."]
     cc = r["chunk_cost"]
     lines += ["", f"Sidecar CPU per relayed chunk ({cc['tokens']}-token chat stream minus the same answer in one piece): "
               f"{fmt_spread(cc['us_per_chunk'], 1)} µs; all of the stream's sidecar CPU per chunk: "
               f"{fmt_spread(cc['us_per_chunk_upper'], 1)} µs."]
+    if "floor" in cc:  # runs before the relay floor was measured have none
+        lines += ["", f"The same answer as a streamed GenerateRequest, per chunk: through the sidecar (each event "
+                  f"parsed and checked, its bytes passed on) {fmt_spread(cc['generate']['us_per_chunk'], 1)} µs; "
+                  f"through a bare aiohttp relay that parses nothing (`benchmarks/relayfloor.py`, the floor of "
+                  f"this stack on this machine) {fmt_spread(cc['floor']['us_per_chunk'], 1)} µs. The same answer in "
+                  f"one piece, CPU per request: sidecar {fmt_spread(summary([1e3 * x['batch_cpu_s'] for x in cc['generate']['runs']]))} ms, "
+                  f"floor {fmt_spread(summary([1e3 * x['batch_cpu_s'] for x in cc['floor']['runs']]))} ms."]
     if prof := r.get("profile"):
         if "error" in prof:
             lines += ["", f"Profile: {prof['error']}"]

@@ -256,7 +256,8 @@ class Timeouts(Model):
     prefill_seconds: float = Field(120, gt=0, description="The whole prefill leg.")
     decode_seconds: float = Field(3600, gt=0, description="The whole decode leg (a batch answer comes at its end).")
     decode_idle_seconds: float = Field(300, gt=0, description="A streamed decode leg: the longest wait for its "
-                                       "headers, its first event and between two reads.")
+                                       "headers, its first event and between two reads (a silence after the "
+                                       "headers is cut within 1.25x of it).")
     derender_seconds: float | None = Field(None, gt=0, description="The whole derender call; None: `render_seconds`.")
 
 

@@ -6,6 +6,8 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+import orjson
+
 from disagg_sidecar import wire
 
 Chunk = dict[str, Any]
@@ -79,12 +81,20 @@ def sse_json(obj: Any) -> bytes:
 
 
 def dumps(obj: Any) -> bytes:
-    """Compact JSON, as the engines write it: the sidecar's one definition."""
-    return dumps_text(obj).encode()
+    """Compact JSON, as the engines write it: the sidecar's one definition. orjson writes what
+    vLLM's pydantic writes (floats too: ``0.00001``, not ``1e-05``) at a tenth of ``json``'s CPU;
+    what it refuses (ints past 64 bits) is written by ``json``."""
+    try:
+        return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def dumps_text(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def loads(raw: bytes | str) -> Any:
+    """JSON from an upstream, strictly: not UTF-8, ``NaN``/``Infinity``, lone surrogates or nesting
+    past 1,024 levels raise ``ValueError`` (orjson's ``JSONDecodeError``). An int past 64 bits reads
+    as a float, which every check of an int field (token ids, indices) refuses."""
+    return orjson.loads(raw)
 
 
 DONE_EVENT = sse(wire.SSE_DONE)

@@ -89,7 +89,11 @@ def test_generate_request_client(engine_set, forcer, proxied, stream: bool) -> N
     assert resp.status_code == 200, resp.text
     coupled = requests.post(engine_set.url("coupled") + "/v1/chat/completions", json=chat, stream=stream, timeout=60)
     if stream:
-        events = list(sse_events(resp.iter_lines()))
+        raw = resp.content
+        # Passed through byte for byte: the client's stream is the decode engine's, as it wrote it.
+        (decode_call,) = [c for c in proxies["decode"].calls if c.path == GENERATE]
+        assert raw == bytes(decode_call.response) and raw.endswith(b"data: [DONE]\n\n")
+        events = list(sse_events(raw.splitlines()))
         assert events[-1] == "[DONE]"
         assert all(e["output_mode"] == "derender" for e in events[:-1])
         # The engine's own generate chunks, passed through; their deltas add up to coupled's.

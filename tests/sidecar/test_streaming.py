@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import json
+
+import pydantic_core
 import pytest
 
-from disagg_sidecar.sse import SSEParser, sse_json
+from disagg_sidecar.plan import answers
+from disagg_sidecar.sse import SSEParser, dumps, sse_json
 from disagg_sidecar.derender.stream import ChainedDerender, choice_index, merge_chunks
 
 
@@ -25,6 +29,37 @@ def test_sse_parser_handles_arbitrary_splits() -> None:
 
 def test_sse_json_is_one_event() -> None:
     assert sse_json({"x": "é"}) == 'data: {"x":"é"}\n\n'.encode()
+
+
+@pytest.mark.parametrize("value", [1e-05, -1.2345e-05, 1e-07, 0.1, -0.0, 2.0, 1e16, 1.5e300, 5e-324, -10.487662315368652,
+                                   12345678.9, 1 / 3])
+def test_dumps_writes_floats_as_vllms_pydantic(value: float) -> None:
+    """vLLM writes its chunks with pydantic (``model_dump_json``): the sidecar's floats read the same."""
+    assert dumps({"logprob": value}) == b'{"logprob":' + pydantic_core.to_json(value) + b"}"
+
+
+@pytest.mark.parametrize("obj", [
+    {"text": "é\u2028\x00\"\\", "ids": [1, -2], "ok": True, "none": None},  # escapes as json's
+    {1: "int key", "2": [3.5]},  # non-str keys as json writes them
+    {"big": 2**64},  # past orjson's ints: json writes it
+])
+def test_dumps_is_compact_utf8_json(obj: dict) -> None:
+    assert dumps(obj) == json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("raw", [b'{"a": NaN}', b'{"a": Infinity}', b'{"a": 1', b'\xff{}', b'{"a": "\\ud800"}',
+                                 b"[" * 2000 + b"]" * 2000])
+def test_an_upstream_answer_is_json_strictly(raw: bytes) -> None:
+    """Not JSON, ``NaN``/``Infinity``, not UTF-8, a lone surrogate or nesting past 1,024 levels: no answer."""
+    with pytest.raises(answers.InvalidAnswer, match="not JSON"):
+        answers.parse(raw)
+
+
+def test_an_int_past_64_bits_is_no_token_id() -> None:
+    """orjson reads it as a float: the checks that read ids refuse it as they refuse any non-int."""
+    raw = b'{"choices": [{"index": 0, "token_ids": [18446744073709551616]}]}'
+    with pytest.raises(answers.InvalidAnswer, match="token ids"):
+        answers.generated(answers.parse(raw), 1)
 
 
 def chunk(index: int, ids: list[int], finish: str | None = None, logprobs: list | None = None, **extra) -> dict:

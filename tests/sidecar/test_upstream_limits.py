@@ -75,6 +75,58 @@ def test_a_trickling_or_silent_engine_holds_no_client_or_slot_past_its_deadline(
         assert_healthy(sidecar, ups)
 
 
+def paced(pieces: list[bytes], gaps: list[float]) -> fake.Handler:
+    """An event stream of ``pieces``, waiting ``gaps[i]`` before piece i (headers after ``gaps[0]``
+    when ``pieces[0]`` is empty); silent after the last one until the caller hangs up when the
+    pieces end without ``[DONE]``."""
+    async def handle(request: web.Request, body: object) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        for i, (piece, gap) in enumerate(zip(pieces, gaps)):
+            await asyncio.sleep(gap)
+            if i == 0:
+                await resp.prepare(request)
+            if piece:
+                await resp.write(piece)
+        if not pieces[-1].endswith(b"[DONE]\n\n"):
+            await asyncio.Event().wait()
+        await resp.write_eof()
+        return resp
+    return handle
+
+
+@pytest.mark.parametrize("case", ["silent-after-headers", "silent-before-headers", "gaps-below-the-bound"])
+def test_a_streamed_decode_leg_is_cut_after_its_idle_bound_and_only_then(ups: Upstreams, case: str) -> None:
+    """``decode_idle_seconds`` (1 s here; the leg's deadline is 30 s) bounds the silence before the
+    headers and between reads, not the stream: a silence is cut within 1-1.25 s (``IdleWatch``),
+    gaps of 0.6 s between events never are."""
+    first, second = (fake.sse_bytes([e], done=False) for e in fake.text_events())
+    ups.decode.routes["/inference/v1/generate"] = {
+        "silent-after-headers": paced([first], [0]),
+        "silent-before-headers": paced([b""], [3]),
+        "gaps-below-the-bound": paced([b"", first, second + b"data: [DONE]\n\n"], [0, 0.6, 0.6]),
+    }[case]
+    timeouts = {"decode_seconds": 30, "decode_idle_seconds": 1}
+    with run_sidecar(fake.config(ups, timeouts=timeouts)) as sidecar:
+        resp, took = timed_post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+        if case == "gaps-below-the-bound":
+            events = read_stream(resp)
+            assert resp.status_code == 200 and events[-1] == "[DONE]", events
+            assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]
+                           if e["choices"]) == "hello there", events
+            assert took >= 1.2, took  # both gaps were waited out
+        else:
+            assert 1 <= took < 2.5, took
+            if case == "silent-after-headers":
+                events = read_stream(resp)
+                assert events[-1] == "[DONE]" and set(events[-2]) == {"error"}, events
+                error = events[-2]["error"]
+            else:
+                error = openai_error(resp)
+            assert error["message"] == "The decode engine failed: timeout", error
+        assert_clean(resp, ups)
+        assert wait_for(lambda: sidecar.app[STATE].in_flight == 0, timeout=5), "the slot is given back"
+
+
 # -- 6. sizes and numbers --------------------------------------------------------------------------------
 
 def test_an_answer_over_its_legs_size_bound_is_a_502_and_never_held_whole(ups: Upstreams) -> None:

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from disagg_sidecar import wire
+from disagg_sidecar import sse, wire
 
 StopReason = tuple[str | None, str | None]
 Event = tuple[str, dict[str, Any]]  # (SSE event name, payload)
@@ -265,8 +265,7 @@ def _is_json(text: str) -> bool:
 
 def sse_event(event: Event) -> bytes:
     name, payload = event
-    return (b"event: " + name.encode() + b"\ndata: "
-            + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+    return b"event: " + name.encode() + b"\ndata: " + sse.dumps(payload) + b"\n\n"
 
 
 def error_event(status: int, message_: str, type_: str | None = None) -> bytes:

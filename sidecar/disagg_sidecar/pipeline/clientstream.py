@@ -18,6 +18,11 @@ from disagg_sidecar.upstream.client import LegError
 log = logging.getLogger(__name__)
 
 
+def json_answer(obj: Any, headers: Mapping[str, str]) -> web.Response:
+    """A JSON answer, encoded once (``web.json_response`` would encode the text ``sse.dumps`` decoded)."""
+    return web.Response(body=sse.dumps(obj), content_type="application/json", charset="utf-8", headers=headers)
+
+
 class SSEWriter:
     """The client's event stream; headers are sent with the first event (errors before it are
     ordinary HTTP errors). Writes are serialised: several lanes write to one stream."""

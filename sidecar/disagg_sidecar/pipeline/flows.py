@@ -38,7 +38,7 @@ from disagg_sidecar.plan.request import RequestPlan, derived_chat
 from disagg_sidecar.derender import shapes
 from disagg_sidecar import sse
 from disagg_sidecar import vllm_releases, wire
-from disagg_sidecar.pipeline.clientstream import SSEWriter, run_stream
+from disagg_sidecar.pipeline.clientstream import SSEWriter, json_answer, run_stream
 from disagg_sidecar.config import Capabilities, SidecarConfig
 from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.pipeline.coupled import DecodeAlone
@@ -171,8 +171,7 @@ class Flows:
                    ctx: Context) -> web.StreamResponse:
         c = await self._chat_legs(wire.CHAT_RENDER, raw, ctx, plan.n, lambda gen: (body, raw, plan))
         if not plan.stream:
-            return web.json_response(await self._chat_batch(c, ctx), headers=ctx.response_headers(),
-                                     dumps=sse.dumps_text)
+            return json_answer(await self._chat_batch(c, ctx), ctx.response_headers())
         writer = SSEWriter(request, ctx.response_headers())
         return await run_stream(writer, lambda: self._chat_stream(c, ctx, writer, writer.send))
 
@@ -187,7 +186,7 @@ class Flows:
         c = await self._chat_legs(wire.MESSAGES_RENDER, raw, ctx, plan.n, as_chat)
         if not plan.stream:
             answer = anthropic.message(await self._chat_batch(c, ctx))
-            return web.json_response(answer, headers=ctx.response_headers(), dumps=sse.dumps_text)
+            return json_answer(answer, ctx.response_headers())
         writer = SSEWriter(request, ctx.response_headers())
         converter = anthropic.MessageStream(c.shape.usage({"prompt_tokens": c.shape.prompt_tokens,
                                                            "completion_tokens": 0}))
@@ -214,8 +213,7 @@ class Flows:
         """The rendered prompt's length: the render tier only, as coupled renders it."""
         render_body = sse.dumps(anthropic_request.count_render_body(body))
         gen = await self.pools.render_chat(render_body, ctx, 1, wire.MESSAGES_RENDER)
-        return web.json_response(anthropic.count_tokens(len(gen[wire.TOKEN_IDS])), headers=ctx.response_headers(),
-                                 dumps=sse.dumps_text)
+        return json_answer(anthropic.count_tokens(len(gen[wire.TOKEN_IDS])), ctx.response_headers())
 
     # -- completions -------------------------------------------------------------------------------
 
@@ -267,7 +265,7 @@ class Flows:
             parts = await _gather(*(one(i, g) for i, g in enumerate(gens)))
             choices = [c for part, _ in parts for c in part]
             result = shapes.completion_response(choices, total_usage(u for _, u in parts), shape(0, Prefilled()))
-            return web.json_response(result, headers=ctx.response_headers(), dumps=sse.dumps_text)
+            return json_answer(result, ctx.response_headers())
 
         # Prefill every prompt before the first byte, so the response headers can say how.
         prefilled = await _gather(*(self.pools.prefill(g, ctx) for g in gens))

@@ -9,11 +9,10 @@ is checked; the rest is the client's to read, as the coupled server would have s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from disagg_sidecar import wire
+from disagg_sidecar import sse, wire
 
 # vLLM's token ids are int32 (its tensors): larger ones are no vocabulary's, and past 2^63 they
 # would not fit the prefix-affinity hash's signed 64-bit words.
@@ -26,15 +25,12 @@ class InvalidAnswer(ValueError):
 
 
 def parse(raw: bytes) -> Any:
-    """JSON, strictly: not UTF-8, not JSON, ``NaN``/``Infinity`` are invalid answers."""
+    """JSON, strictly (``sse.loads``): not UTF-8, not JSON, ``NaN``/``Infinity``, lone surrogates
+    or nesting past 1,024 levels are invalid answers."""
     try:
-        return json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
+        return sse.loads(raw)
+    except ValueError:
         raise InvalidAnswer("not JSON") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(name)
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
