@@ -1,4 +1,4 @@
-"""The vLLM 0.34 lane serves 0.34's own code: one stock coupled server on it (scripts/vllm-lane).
+"""The vLLM 0.34 lane serves 0.34's own code: its stock coupled server (scripts/vllm-lane).
 
 It answers as 0.34 (version, fingerprint, the message shape 0.34 changed), runs the forced-output
 processor through 0.34's logits-processor interface, and streams ``output_mode: derender`` from
@@ -11,14 +11,12 @@ them, every field equal to the coupled stream's.
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from disagg_engine.testing.server_set import ServerSet, start_server_set
+from disagg_engine.testing.server_set import ServerSet
 from disagg_operator.engine_args import vllm_features
 from tests.harness.forced import OUTPUTS, Forcer
 from tests.harness.openai_views import chat_stream_full_view
@@ -26,7 +24,6 @@ from tests.sidecar.support import SERVED, RunningSidecar, recording_proxy, run_s
 
 pytestmark = pytest.mark.engine
 
-LANE = "0.34"
 VERSION = "0.34.0"
 # reasoning_tool_call: "<think>\n{REASONING}\n</think>\n\n<tool_call>{get_weather, city 東京}</tool_call>"
 REASONING = "\nI should look the weather up.\n"
@@ -34,10 +31,9 @@ TOOL = ("get_weather", {"city": "東京"})
 
 
 @pytest.fixture(scope="module")
-def coupled() -> Iterator[ServerSet]:
-    sset = start_server_set(Path(tempfile.mkdtemp(prefix="disagg-lane034-")), roles=("coupled",), lane=LANE)
-    yield sset
-    sset.stop()
+def coupled(engine_set_034) -> ServerSet:
+    """The 0.34 set's coupled server (the harness's, shared with the parity modules' 0.34 lane)."""
+    return engine_set_034
 
 
 @pytest.fixture(scope="module")

@@ -55,12 +55,12 @@ ROOT = Path(__file__).resolve().parents[2]
 _SETS: list = []
 # Fixtures started early in the background, one after the other in this order (the demo's start
 # returns at once; the set then starts its coupled server and waits for the demo's deployment).
-_EARLY_FIXTURES = ["demo_run", "engine_set", "engine_set_033", "session_renders"]  # + early_fixture's
+_EARLY_FIXTURES = ["demo_run", "engine_set", "engine_set_033", "engine_set_034", "session_renders"]  # + early_fixture's
 _AFTER_CLUSTER_TESTS: list[str] = []  # early_fixture(after_cluster_tests=True)
-_ENGINE_FIXTURES = ("engine_set", "lane_set", "engine_set_033", "demo_run")
+_ENGINE_FIXTURES = ("engine_set", "lane_set", "engine_set_033", "engine_set_034", "demo_run")
 _NEEDS = {"engine_set": "demo_run"}
 # `lane_set` runs a test once per vLLM lane: it needs the set of each.
-_LANE_SETS = {MAIN: "engine_set", "0.33": "engine_set_033"}
+_LANE_SETS = {MAIN: "engine_set", "0.33": "engine_set_033", "0.34": "engine_set_034"}
 
 
 @dataclass
@@ -203,8 +203,9 @@ def _start_demo() -> DemoRun:
     return DemoRun(proc, f"{key}={value}", tmp, time.monotonic())
 
 
-def _start_lane_set() -> ServerSet:
-    return start_server_set(Path(tempfile.mkdtemp(prefix="disagg-engine-033-logs-")), lane="0.33")
+def _lane_starter(lane: str) -> Callable[[], ServerSet]:
+    tag = lane.replace(".", "")
+    return lambda: start_server_set(Path(tempfile.mkdtemp(prefix=f"disagg-engine-{tag}-logs-")), lane=lane)
 
 
 @dataclass
@@ -224,7 +225,8 @@ def _start_session_renders() -> SessionRenders:
 
 
 _STARTERS: dict[str, Callable] = {"engine_set": _start_engine_set, "demo_run": _start_demo,
-                                  "engine_set_033": _start_lane_set, "session_renders": _start_session_renders}
+                                  "engine_set_033": _lane_starter("0.33"), "engine_set_034": _lane_starter("0.34"),
+                                  "session_renders": _start_session_renders}
 _early = _EarlyStarts()
 _start_priority = StartPriority()
 
@@ -312,7 +314,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # For quick iteration: a set started with `python -m disagg_engine.testing.server_set` (with the
 # lane's environment for 0.33) instead of the harness's.
 _ATTACH = {"engine_set": "DISAGG_ATTACH_SERVERS", "engine_set_033": "DISAGG_ATTACH_SERVERS_033",
-           "session_renders": "DISAGG_ATTACH_SESSION_RENDERS"}
+           "engine_set_034": "DISAGG_ATTACH_SERVERS_034", "session_renders": "DISAGG_ATTACH_SESSION_RENDERS"}
 
 
 def _shared_set(name: str):
@@ -338,9 +340,20 @@ def engine_set_033() -> Iterator:
     _SETS.remove(sset)
 
 
+@pytest.fixture(scope="session")
+def engine_set_034() -> Iterator:
+    """The full set of four on the vLLM 0.34 lane: the parity modules run on it
+    (``PARITY_LANES``), and tests/engine/test_lane_034.py uses its coupled server."""
+    sset = _shared_set("engine_set_034")
+    _SETS.append(sset)
+    yield sset
+    _SETS.remove(sset)
+
+
 @pytest.fixture(scope="session", params=LANES)
 def lane_set(request) -> ServerSet:
-    """The set of each vLLM lane in turn: render, prefill, decode (with the extension) and coupled."""
+    """The set of each vLLM lane in turn: render, prefill, decode (with the extension) and coupled.
+    A module may run on other lanes: ``pytest.mark.parametrize("lane_set", PARITY_LANES, indirect=True)``."""
     return request.getfixturevalue(_LANE_SETS[request.param])
 
 

@@ -69,7 +69,7 @@ class RunningSidecar:
         return value or 0.0
 
 
-LANE_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0"}
+LANE_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0", "0.34": "0.34.0"}
 
 
 CLIENT_MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: the coupled server's (server_set.MAX_LOGPROBS_FLAGS)

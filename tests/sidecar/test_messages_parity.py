@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import requests
 
+from disagg_engine.testing.lanes import PARITY_LANES
 from tests.harness.forced import OUTPUTS, Forcer
 from tests.harness.overlap import in_background
 from tests.sidecar.support import SERVED, engine_metric, long_body, wait_for
 
-pytestmark = [pytest.mark.engine, pytest.mark.parity]
+pytestmark = [pytest.mark.engine, pytest.mark.parity,
+              pytest.mark.parametrize("lane_set", PARITY_LANES, indirect=True)]
 
 MESSAGES = "/v1/messages"
 SIGNATURE = re.compile(r"^[0-9a-f]{32}$")

@@ -1,6 +1,8 @@
 """The parity matrix: every field a chat or completions client can ask for, batch and
-streamed, n 1 and 2, on the inline path (decode with the engine extension) and the chained path
-(decode answering tokens, the derender tier making the answer), compared field by field with the
+streamed, n 1 and 2, on every release's lane (``PARITY_LANES``), on the inline path (decode with
+the engine extension) and the chained path (decode answering tokens, the derender tier making the
+answer), and where stock vLLM streams derender itself (0.34) a chat stream through a stock decode
+engine too (``stock-inline``), compared field by field with the
 coupled server: content, reasoning, tool-call names and parsed arguments, finish_reason,
 stop_reason, logprobs, token ids, prompt token ids and usage (``*_full_view``).
 
@@ -25,9 +27,17 @@ from tests.harness.openai_views import (
     completion_stream_full_view,
 )
 from tests.harness.overlap import in_background
-from disagg_sidecar import wire
+from disagg_engine.testing.lanes import PARITY_LANES
+from disagg_sidecar import vllm_releases, wire
 from tests.sidecar.conftest import TOKENS_ONLY
-from tests.sidecar.support import CLIENT_MAX_LOGPROBS, SERVED, recording_proxy, run_sidecar, sidecar_config
+from tests.sidecar.support import (
+    CLIENT_MAX_LOGPROBS,
+    LANE_VERSIONS,
+    SERVED,
+    recording_proxy,
+    run_sidecar,
+    sidecar_config,
+)
 from tests.sidecar.test_parity import (
     check_chat_shape,
     check_chat_stream_shape,
@@ -36,7 +46,11 @@ from tests.sidecar.test_parity import (
     post_raw,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.parity]
+pytestmark = [pytest.mark.engine, pytest.mark.parity,
+              pytest.mark.parametrize("lane_set", PARITY_LANES, indirect=True)]
+# Where stock vLLM streams derender itself (0.34), a stock decode engine is a third path for streams.
+STOCK_INLINE = {lane for lane in PARITY_LANES
+                if vllm_releases.release(LANE_VERSIONS[lane]).stock_streaming_derender}
 
 Case = Callable[[Forcer], dict[str, Any]]
 
@@ -101,7 +115,8 @@ def chat_request(forcer: Forcer, case: str, stream: bool, n: int) -> dict[str, A
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("case", list(CHAT_CASES))
-def test_chat_matrix(lane_set, forcer, lane_inline_sidecar, lane_chained_sidecar, case: str, stream: bool, n: int) -> None:
+def test_chat_matrix(lane_set, forcer, request, lane_inline_sidecar, lane_chained_sidecar, case: str, stream: bool,
+                     n: int) -> None:
     body = chat_request(forcer, case, stream, n)
     request_id = f"matrix-{case}-{int(stream)}-{n}"
     reference = in_background(lambda: post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, request_id))
@@ -112,6 +127,11 @@ def test_chat_matrix(lane_set, forcer, lane_inline_sidecar, lane_chained_sidecar
         got[path] = post_raw(sidecar.url, "/v1/chat/completions", body, request_id)
         check_path_taken(before, path_counters(sidecar), path, "derender", stream)
     want = view(reference.result())
+    if stream and lane_set.vllm_lane in STOCK_INLINE:  # its decode engine is the coupled one: after the reference
+        stock = request.getfixturevalue("lane_stock_sidecar")
+        before = path_counters(stock)
+        got["stock-inline"] = post_raw(stock.url, "/v1/chat/completions", body, request_id)
+        check_path_taken(before, path_counters(stock), "inline", "derender", stream)
     for path, answer in got.items():
         assert view(answer) == want, path
         if not stream:

@@ -18,6 +18,8 @@ MAIN = "0.32"
 # The lanes the whole suite runs on (the `lane_set` fixture); ALL_LANES can start servers.
 LANES = (MAIN, "0.33")
 ALL_LANES = (*LANES, "0.34")
+# The lanes the parity matrices run on: every release of the table (a module's `lane_set` parameters).
+PARITY_LANES = ALL_LANES
 
 
 @cache
