@@ -1,7 +1,7 @@
 """Parity rows for request options outside the main matrix (issue #45): prompt logprobs,
 ``return_tokens_as_token_ids`` and completions ``echo``, compared field by field with the coupled
 server on the inline path, the stateless chained path, a stock decode engine and, streamed, the
-derender sessions.
+derender sessions (on the releases that have them), on every release's lane (``PARITY_LANES``).
 
 The coupled reference runs beside the inline and chained paths (other engines: ``overlap``); the
 stock path's decode engine is the coupled server itself, so it runs after the reference.
@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from disagg_engine.testing.lanes import PARITY_LANES
+from disagg_sidecar import vllm_releases
 from tests.harness.forced import MULTIBYTE, OUTPUTS, Forcer
 from tests.harness.openai_views import (
     chat_full_view,
@@ -22,11 +24,12 @@ from tests.harness.openai_views import (
     completion_stream_full_view,
 )
 from tests.harness.overlap import in_background
-from tests.sidecar.support import SERVED
+from tests.sidecar.support import LANE_VERSIONS, SERVED
 from tests.sidecar.test_parity import post_raw
 from tests.sidecar.test_sessions import lane_session_sidecar  # noqa: F401 (a fixture)
 
-pytestmark = [pytest.mark.engine, pytest.mark.parity]
+pytestmark = [pytest.mark.engine, pytest.mark.parity,
+              pytest.mark.parametrize("lane_set", PARITY_LANES, indirect=True)]
 
 Case = Callable[[Forcer], dict[str, Any]]
 BATCH, BOTH = (False,), (False, True)
@@ -87,7 +90,9 @@ def _compare(lane_set, sidecars: dict[str, Any], path: str, body: dict[str, Any]
 
 
 def _sidecars(request, stream: bool) -> dict[str, Any]:
-    names = ["inline", "chained", "stock"] + (["session"] if stream else [])
+    lane = request.getfixturevalue("lane_set").vllm_lane
+    sessions = stream and vllm_releases.release(LANE_VERSIONS[lane]).derender_sessions
+    names = ["inline", "chained", "stock"] + (["session"] if sessions else [])
     return {name: request.getfixturevalue(f"lane_{name}_sidecar") for name in names}
 
 

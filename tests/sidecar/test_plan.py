@@ -69,11 +69,13 @@ def test_parse_context_must_be_one_the_decode_release_honours() -> None:
     assert fit_to_render(planned, ids, vllm_releases.release("0.33.0")) == DecodePlan("tokens", "chat")
     assert fit_to_render(planned, ids) == planned  # the engine has not said its version: the configured plan
     assert fit_to_render(planned, {"parse_context": {"tools": None}}, vllm_releases.release("0.33.0")) == planned
-    # A client asking for token_id:N logprob tokens: only a 0.34 parse_context carries that; else the chain.
+    # A client asking for token_id:N logprob tokens: the chain on every release (0.33's parse_context
+    # cannot carry it; 0.34's stock derender writes bytes: null for a sampled token, coupled its bytes).
     context = {"parse_context": {"tools": None}}
-    assert fit_to_render(planned, context, vllm_releases.release("0.34.0"), tokens_as_ids=True) == planned
-    assert fit_to_render(planned, context, vllm_releases.release("0.33.0"), tokens_as_ids=True) == DecodePlan("tokens", "chat")
-    assert fit_to_render(planned, context, None, tokens_as_ids=True) == DecodePlan("tokens", "chat")
+    for release in (vllm_releases.release("0.34.0"), vllm_releases.release("0.33.0"), None):
+        assert fit_to_render(planned, context, release, tokens_as_ids=True) == DecodePlan("tokens", "chat")
+    assert fit_to_render(DecodePlan("derender", "chat", "chat_request"), {}, None, tokens_as_ids=True) \
+        == DecodePlan("derender", "chat", "chat_request")  # the extension's chat generator writes them
 
 
 def test_chained_means_tokens_and_a_chain() -> None:

@@ -373,7 +373,8 @@ def test_sidecar_command_cuts_streams_past_the_drain_deadline(engine_set, forcer
     assert wait_for(lambda: engine_metric(decode, RUNNING) == 0, timeout=30), "decode busy before the test"
     drain = 4.0  # the cut comes at the deadline (plus CUT_SECONDS), not at a second deadline after it
     with sidecar_command(engine_set, tmp_path, drain_seconds=drain) as command:
-        resp = chat(command.url, long_body(forcer, 3000), stream=True)
+        # 8,000 tokens keep the engine busy well past the deadline (3,000 once ended within it)
+        resp = chat(command.url, long_body(forcer, 8000), stream=True)
         lines = resp.iter_lines()
         out: list = list(sse_events(next(lines) for _ in range(4)))
         assert out and command.in_flight() == 1

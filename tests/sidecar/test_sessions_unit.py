@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from disagg_sidecar.derender import chained
 from disagg_sidecar.plan import legs
 from disagg_sidecar.derender import stream
@@ -36,6 +38,20 @@ def test_open_line_is_the_decode_leg_with_the_parser_context():
     # the parser context: no stop (the detokenizer applies the engine's), no conversation text
     assert "stop" not in body["chat_request"] and "secret" not in json.dumps(body["chat_request"])
     assert body["chat_request"]["tools"] == client["tools"]
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_tokens_as_ids_are_the_sessions_and_the_sidecars_on_stateless_calls(asked: bool) -> None:
+    """Stateless derender calls never carry return_tokens_as_token_ids (the sidecar writes the
+    placeholders itself, with each sampled token's bytes); a session's chat generator does, as coupled."""
+    client = {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True, "logprobs": True,
+              "return_tokens_as_token_ids": asked}
+    gen = {"token_ids": [1, 2, 3], "sampling_params": {"n": 1, "logprobs": 0}}
+    leg = legs.DerenderLeg("chat", json.dumps(client).encode(), gen["token_ids"])
+    assert "return_tokens_as_token_ids" not in json.loads(leg.stream({"choices": []}, None))["chat_request"]
+    call = chained.ChatStream(leg, chained.Options.of(client, gen), tier=None, logprobs=True)
+    session_context = json.loads(open_line(call, "req-1"))["chat_request"]
+    assert session_context.get("return_tokens_as_token_ids") is (True if asked else None)
 
 
 def test_a_completions_open_line_carries_the_completions_request_without_its_prompt():

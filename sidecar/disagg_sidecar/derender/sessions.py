@@ -71,6 +71,8 @@ def open_line(stream_call: SessionStream, request_id: str) -> bytes:
     body = {"request_id": request_id, "token_ids": opts.prompt_token_ids, "sampling_params": dict(opts.sampling),
             "stream": True, "stream_options": context.get("stream_options")}
     if api_of(stream_call) == "chat":
+        if opts.tokens_as_ids:  # taken out of the stateless calls' context (legs.parser_context)
+            context["return_tokens_as_token_ids"] = True
         body.update(output_mode="derender", chat_request=context)
     else:
         body["completion_request"] = context

@@ -74,16 +74,17 @@ def fit_to_render(decode_plan: DecodePlan, gen: Mapping[str, Any],
                   decode_release: vllm_releases.Release | None = None, tokens_as_ids: bool = False) -> DecodePlan:
     """An inline derender planned with render's ``parse_context`` needs render to have sent one
     (vLLM 0.33 does, 0.32 does not) that the decode engine's release (when it reported one) can
-    honour (``vllm_releases.strip_parse_context``), and, for a client asking for
-    ``return_tokens_as_token_ids``, a release whose parse_context carries it (0.34): otherwise chain
-    (the chained path writes ``token_id:N`` itself)."""
+    honour (``vllm_releases.strip_parse_context``): otherwise chain. A client asking for
+    ``return_tokens_as_token_ids`` is chained too (the chained path writes ``token_id:N`` as coupled
+    does): 0.33's parse_context cannot carry it, and 0.34's stock derender writes each placeholder
+    with ``bytes: null`` where coupled gives a sampled token its text's bytes."""
     if decode_plan.context != "parse_context":
         return decode_plan
     context = gen.get(wire.PARSE_CONTEXT)
     if context is None or (decode_release is not None and isinstance(context, dict)
                            and vllm_releases.strip_parse_context(context, decode_release) is None):
         return DecodePlan("tokens", decode_plan.chain)
-    if tokens_as_ids and not (decode_release is not None and decode_release.parse_context_token_ids):
+    if tokens_as_ids:
         return DecodePlan("tokens", decode_plan.chain)
     return decode_plan
 

@@ -174,13 +174,19 @@ def parser_context(client_body: bytes, chain: str) -> bytes:
       settings, and of the messages only their roles and earlier tool calls (for tool-call ids),
       so each message keeps those with empty content (all of it with ``continue_final_message``,
       where the answer repeats the last message);
-    - a completions prompt, and ``echo``: the sidecar echoes the prompt itself (``derender.echo``).
+    - a completions prompt, and ``echo``: the sidecar echoes the prompt itself (``derender.echo``);
+    - ``return_tokens_as_token_ids``: the sidecar writes a chat answer's ``token_id:N`` tokens itself
+      from the tokens the tier resolved as text (``fixes.chat_tokens_as_ids``: a sampled token keeps
+      its text's bytes, as coupled writes it); vLLM 0.34's derender would write the placeholders with
+      ``bytes: null``. A derender session puts it back (``sessions.open_line``): its chat generator
+      writes them as coupled does.
     """
     body = json.loads(client_body)
     if not isinstance(body, dict):
         return client_body
     stops.without_stop_strings(body)
     body.pop("echo", None)
+    body.pop("return_tokens_as_token_ids", None)
     keep_text = body.get("continue_final_message")
     if chain == "chat" and isinstance(body.get("messages"), list) and not keep_text:
         body["messages"] = [{**{k: m[k] for k in _MESSAGE_SKELETON if k in m}, "content": ""}
