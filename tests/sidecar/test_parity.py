@@ -13,6 +13,7 @@ import openai
 import pytest
 import requests
 
+from disagg_engine.testing.lanes import PARITY_LANES
 from tests.harness.forced import OUTPUTS
 from tests.harness.openai_views import (
     chat_full_view,
@@ -26,7 +27,8 @@ from tests.harness.openai_views import (
 from tests.harness.overlap import in_background
 from tests.sidecar.support import SERVED, RunningSidecar, run_sidecar, sidecar_config
 
-pytestmark = [pytest.mark.engine, pytest.mark.parity]
+pytestmark = [pytest.mark.engine, pytest.mark.parity,
+              pytest.mark.parametrize("lane_set", PARITY_LANES, indirect=True)]
 
 TOOL_CALL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16,}$")
 SDK_CHAT_FIELDS = {"model", "messages", "max_tokens", "n", "stream", "stream_options", "tools", "tool_choice",
@@ -171,9 +173,10 @@ STOCK_CASES = {
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
 @pytest.mark.parametrize("case", list(STOCK_CASES))
 def test_stock_decode_engine_is_chained(lane_set, forcer, lane_stock_sidecar, case: str, stream: bool) -> None:
-    """A decode engine without the extension: the sidecar sees no capabilities and chains, except a
-    batch request on vLLM 0.33, whose stock generate derenders a batch answer itself (with render's
-    parse_context); every field equals coupled (the decode engine is the coupled one: not overlapped)."""
+    """A decode engine without the extension: the sidecar sees no capabilities and chains, except
+    where stock generate derenders the answer itself with render's parse_context (batch from vLLM
+    0.33 on, streamed from 0.34 on); every field equals coupled (the decode engine is the coupled
+    one: not overlapped)."""
     name, extra = STOCK_CASES[case]
     body = forcer.chat_body(name, stream=stream, n=2, **extra)
     want = post_raw(lane_set.url("coupled"), "/v1/chat/completions", body, f"stock-{case}")
@@ -184,7 +187,8 @@ def test_stock_decode_engine_is_chained(lane_set, forcer, lane_stock_sidecar, ca
     got = post_raw(lane_stock_sidecar.url, "/v1/chat/completions", body, f"stock-{case}")
     view = chat_stream_full_view if stream else chat_full_view
     assert view(got) == view(want)
-    by_stock_generate = not stream and lane_stock_sidecar.config.engine.features.generate_output_mode_derender
+    features = lane_stock_sidecar.config.engine.features
+    by_stock_generate = features.generate_streaming_derender if stream else features.generate_output_mode_derender
     assert (calls() == before[0]) if by_stock_generate else (calls() > before[0])
     assert inline() == before[1] + (1 if by_stock_generate else 0)
 
