@@ -226,6 +226,22 @@ def engine_metric(url: str, name: str) -> float:
     return total
 
 
+GENERATED = "vllm:generation_tokens_total"
+
+
+def check_engine_stopped(decode: str, generated_before: float, answer_tokens: int) -> float:
+    """After a client left a stream of ``answer_tokens`` tokens: the decode engine is idle within 5 s
+    (the seconds it took are returned) and generated fewer tokens than the answer has, so the abort
+    reached it and the answer was not finished (a bound in tokens, which load does not move)."""
+    started = time.monotonic()
+    assert wait_for(lambda: engine_metric(decode, "vllm:num_requests_running") == 0, timeout=5.0), \
+        "decode still generating 5 s after the client left"
+    elapsed = time.monotonic() - started
+    generated = engine_metric(decode, GENERATED) - generated_before
+    assert generated < answer_tokens, f"the engine finished the answer ({generated:.0f} tokens): no abort reached it"
+    return elapsed
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
     """Poll ``predicate`` until it holds or ``timeout`` passes (no blind sleeps)."""
     deadline = time.monotonic() + timeout
