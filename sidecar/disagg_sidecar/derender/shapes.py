@@ -187,9 +187,10 @@ def role_apart(chunk: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     coupled endpoint sends it: the role alone first (``content: ""``, with the chunk's prompt token
     ids, and usage without completion tokens where usage is streamed), then the rest."""
     choices = chunk.get("choices") or []
-    if len(choices) != 1 or "role" not in (delta := dict(choices[0].get("delta") or {})):
-        return [chunk]
+    if len(choices) != 1 or "role" not in (choices[0].get("delta") or {}):
+        return [chunk]  # every chunk but a choice's first: no copy on the relay's path
     choice = choices[0]
+    delta = dict(choice["delta"])
     role = delta.pop("role")
     if not delta.get("content") and len(delta) <= 1 and not choice.get("token_ids") \
             and choice.get("logprobs") is None and choice.get("finish_reason") is None:
