@@ -193,3 +193,98 @@ def test_the_prompt_kv_comes_from_prefill_and_cached_tokens_say_so(lane_set, for
     usage = resp.json()["usage"]
     assert loaded >= 128 and usage["input_tokens_details"]["cached_tokens"] == loaded
     assert loaded <= usage["input_tokens"]
+
+
+REFUSALS: dict[str, Callable[[Forcer], dict[str, Any]]] = {
+    "unknown_model": lambda f: {**responses_body(f, "plain", False), "model": "no-such-model"},
+    "no_input": lambda f: {k: v for k, v in responses_body(f, "plain", False).items() if k != "input"},
+    "tool_choice_not_in_tools": lambda f: {**responses_body(f, "tool_call", False),
+                                           "tool_choice": {"type": "function", "name": "nope"}},
+    "max_output_tokens_past_the_model": lambda f: {**responses_body(f, "plain", False), "max_output_tokens": 10**6},
+    "unknown_role": lambda f: {**responses_body(f, "plain", False), "input": [{"role": "robot", "content": "x"}]},
+    "temperature_as_text": lambda f: {**responses_body(f, "plain", False), "temperature": "hot"},
+    # what reads vLLM's response store, which Disagg's engines run without (as vLLM's default)
+    "previous_response_id": lambda f: {**responses_body(f, "plain", False), "previous_response_id": "resp_123"},
+    "background": lambda f: {**responses_body(f, "plain", False), "background": True},
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_are_coupleds(lane_set, forcer, lane_inline_sidecar, case: str) -> None:
+    body = REFUSALS[case](forcer)
+    want = requests.post(lane_set.url("coupled") + RESPONSES, json=body, timeout=60)
+    got = requests.post(lane_inline_sidecar.url + RESPONSES, json=body, timeout=60)
+    assert 400 <= want.status_code < 500, want.text
+    assert (got.status_code, got.json()) == (want.status_code, want.json())
+
+
+def test_stored_responses_on_two_decode_pods(lane_set, forcer, lane_inline_sidecar, lane_stock_sidecar) -> None:
+    """Disagg serves Responses without vLLM's response store (vLLM's default; docs/protocol.md): a
+    response made through one decode pod's sidecar is found by neither pod's, a follow-up by its id
+    is refused, its cancel too, each exactly as a coupled server without the store answers for its
+    own response: never another pod's answer, never a 500."""
+    body = {**responses_body(forcer, "plain", False), "store": True}
+    made = {"coupled": requests.post(lane_set.url("coupled") + RESPONSES, json=body, timeout=60).json()["id"],
+            "pd": requests.post(lane_inline_sidecar.url + RESPONSES, json=body, timeout=60).json()["id"]}
+
+    def asked(base: str, response_id: str) -> list[tuple[int, Any]]:
+        answers = [requests.get(f"{base}{RESPONSES}/{response_id}", timeout=60),
+                   requests.post(f"{base}{RESPONSES}/{response_id}/cancel", timeout=60),
+                   requests.post(base + RESPONSES, json={**body, "previous_response_id": response_id}, timeout=60)]
+        return [(a.status_code, json.loads(a.text.replace(response_id, "ID"))) for a in answers]
+
+    want = asked(lane_set.url("coupled"), made["coupled"])
+    assert [status for status, _ in want] == [404, 404, 404]
+    for sidecar in (lane_inline_sidecar, lane_stock_sidecar):
+        assert asked(sidecar.url, made["pd"]) == want
+
+
+def test_the_openai_sdk(lane_set, forcer, lane_inline_sidecar, lane_stock_sidecar) -> None:
+    """The real client's ``responses.create``, batch and streamed, reads what coupled's gives it."""
+    import openai
+
+    body = responses_body(forcer, "reasoning_tool_call", False)
+    kwargs = {"model": body["model"], "input": body["input"], "instructions": body["instructions"],
+              "tools": body["tools"], "max_output_tokens": body["max_output_tokens"],
+              "extra_body": {"vllm_xargs": body["vllm_xargs"]}}
+
+    def items(response: Any) -> list[Any]:
+        return [(i.type, getattr(i, "name", None), getattr(i, "arguments", None),
+                 [c.text for c in (getattr(i, "content", None) or [])]) for i in response.output]
+
+    def run(url: str) -> tuple[Any, list[str], Any]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        batch = client.responses.create(**kwargs)
+        with client.responses.stream(**kwargs) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+        return batch, kinds, final
+
+    want, want_kinds, want_final = run(lane_set.url("coupled"))
+    assert [i[0] for i in items(want)] == ["reasoning", "function_call"]
+    for sidecar in (lane_inline_sidecar, lane_stock_sidecar):
+        batch, kinds, final = run(sidecar.url)
+        assert items(batch) == items(want) and batch.status == want.status == "completed"
+        assert batch.usage.output_tokens == want.usage.output_tokens
+        assert items(final) == items(want_final) and final.usage.output_tokens == want_final.usage.output_tokens
+        assert set(kinds) == set(want_kinds) and kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
+RUNNING = "vllm:num_requests_running"
+
+
+def test_a_client_that_goes_away_stops_the_engine(lane_set, forcer, lane_inline_sidecar) -> None:
+    """Abort on disconnect, as for chat: the decode engine stops, the answer unfinished."""
+    decode = lane_set.url("decode")
+    assert wait_for(lambda: engine_metric(decode, RUNNING) == 0, timeout=30), "decode busy before the test"
+    chat_body = long_body(forcer, 8000)
+    body = {**responses_body(forcer, "plain", True), "vllm_xargs": chat_body["vllm_xargs"],
+            "max_output_tokens": chat_body["max_tokens"]}
+    resp = requests.post(lane_inline_sidecar.url + RESPONSES, json=body, stream=True, timeout=120)
+    assert resp.status_code == 200
+    lines = resp.iter_lines()
+    assert [line for line in (next(lines) for _ in range(16)) if line.startswith(b"event: response.output_text.delta")]
+    assert engine_metric(decode, RUNNING) == 1
+    generated = engine_metric(decode, GENERATED)
+    resp.close()
+    check_engine_stopped(decode, generated, 8000)
