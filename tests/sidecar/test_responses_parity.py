@@ -102,6 +102,7 @@ def named_events(lines: Iterable[bytes]) -> Iterable[tuple[str, dict[str, Any]]]
 
 
 RANDOM = ("id", "item_id", "call_id", "created_at")
+END_OF_TURN = "<|im_end|>"
 # Cache counts depend on what each engine's prefix cache held before (checked on their own).
 CACHE = ("cached_tokens", "cache_write_tokens")
 
@@ -141,7 +142,19 @@ def stream_view(events: list[tuple[str, dict[str, Any]]]) -> list[Any]:
                     last["logprobs"] = last.get("logprobs", []) + data["logprobs"]
                 continue
         out.append((name, data))
-    return out
+    # vLLM streams (and then sums up in the .done events) the end-of-turn token's logprobs only when a
+    # merged step carries it with text: the end token alone makes an empty delta, which it does not
+    # send. Merges differ from run to run on either side, so that entry is left out of the view.
+    return [(name, _without_end_logprobs(data)) for name, data in out]
+
+
+def _without_end_logprobs(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: ([e for e in v if e.get("token") != END_OF_TURN] if k == "logprobs" and isinstance(v, list)
+                    else _without_end_logprobs(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_end_logprobs(v) for v in value]
+    return value
 
 
 def item_ids_match(events: list[tuple[str, dict[str, Any]]]) -> None:
