@@ -89,6 +89,14 @@ def fit_to_render(decode_plan: DecodePlan, gen: Mapping[str, Any],
     return decode_plan
 
 
+def tokens_per_derender_call(max_tokens: int, choices: int, call_bytes: int, stream_bytes: int) -> int:
+    """The fewest tokens a stateless derender call of a chained stream carries, so that the calls of
+    all ``choices`` together carry at most ``stream_bytes`` (``limits.derender_stream_bytes``) plus
+    one call per choice: each call carries ``call_bytes`` that do not shrink (the parser context with
+    the client's tools, the prompt's token ids). A usual request gets 1: a call per chunk."""
+    return max(1, min(max_tokens, -(-max_tokens * choices * call_bytes // stream_bytes)))
+
+
 PrefillRoute = Literal["remote", "local", "skipped"]
 
 

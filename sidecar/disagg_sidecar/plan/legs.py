@@ -238,6 +238,11 @@ class DerenderLeg:
             self._stream_ids = b',"prompt_tokens":%d,"prompt_token_ids":%s' % (n, ids)
         self._context_key = context_key
 
+    @property
+    def call_bytes(self) -> int:
+        """What every streaming call carries whatever its chunk: the parser context and the prompt's ids."""
+        return len(self.context) + len(self._stream_ids)
+
     def batch(self, generate_response: bytes) -> bytes:
         key = b'"generate_response":' if self.chain == "chat" else b'"generate_responses":['
         return b"".join((b"{", self._model, key, generate_response, self._batch_ids, self._context_key,
