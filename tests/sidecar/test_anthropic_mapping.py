@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
+from disagg_engine.testing.lanes import ALL_LANES, lane_env
 from disagg_sidecar.derender import anthropic
 from disagg_sidecar.plan import anthropic_request
 
@@ -95,6 +99,63 @@ def test_the_chat_request_is_vllms(vllm_messages, case: str, merge: bool) -> Non
     for side in (want, got):  # vLLM names a tool_use block without id call_<time>: none here lack one
         side.pop("kv_transfer_params", None)  # never forwarded (only the connector sets them)
     assert got == want
+
+
+# Fields of newer releases only: an older release's model ignores them (and refuses a new
+# ``thinking`` type), on the coupled server and render alike.
+NEWER: dict[str, dict[str, Any]] = {
+    "thinking_between_tools": {**BASE, "thinking": {"type": "between_tools"}},  # 0.34
+    "min_tokens": {**BASE, "min_tokens": 3, "stop_sequences": ["a"]},  # 0.34
+}
+REFUSED_BEFORE = {"thinking_between_tools": "0.34"}  # case -> the first lane whose vLLM accepts it
+# Sampling fields the legs take from render's ``sampling_params`` (the engine samples by those;
+# the parser context's copy is overridden by them: ``disagg_engine.protocol.chat_context``).
+FROM_SAMPLING = ("min_tokens",)
+_TO_CHAT = """
+import json, sys
+from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+out = {}
+for name, (body, merge) in json.loads(sys.argv[1]).items():
+    model = AnthropicMessagesRequest if "max_tokens" in body else AnthropicCountTokensRequest
+    try:
+        request = model.model_validate(body)
+    except ValueError:
+        out[name] = None
+        continue
+    chat = AnthropicServingMessages.to_chat_completion_request(request, merge_inline_system=merge,
+                                                               disabled_thinking_effort="low")
+    out[name] = chat.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+print("CHAT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("lane", ALL_LANES)
+def test_the_chat_request_is_each_lanes_vllms(lane: str) -> None:
+    """The mapping against ``to_chat_completion_request`` of each lane's vLLM (in a process that
+    runs it), with the fields only newer releases have: one that a lane's vLLM ignores changes
+    nothing there, one it honours is vLLM's mapping."""
+    cases = {f"{name}-{merge}": (body, merge) for name, body in {**REQUESTS, **NEWER}.items() for merge in (False, True)}
+    out = subprocess.run([sys.executable, "-c", _TO_CHAT, json.dumps(cases)], env={**os.environ, **lane_env(lane)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("CHAT ")]
+    want_all = json.loads(line.removeprefix("CHAT "))
+    order = list(ALL_LANES)
+    for key, (body, merge) in cases.items():
+        name = key.rsplit("-", 1)[0]
+        want = want_all[key]
+        first = REFUSED_BEFORE.get(name)
+        assert (want is None) == (first is not None and order.index(lane) < order.index(first)), key
+        if want is None:
+            continue
+        got = _ours_validated(json.loads(json.dumps(body)), merge, "low")
+        for side in (want, got):
+            side.pop("kv_transfer_params", None)
+            for field in FROM_SAMPLING:
+                side.pop(field, None)
+        assert got == want, key
 
 
 def _chat_response(message: dict[str, Any], finish: str, stop: Any = None, details: Any = None) -> dict[str, Any]:

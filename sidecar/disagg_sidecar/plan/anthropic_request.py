@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from disagg_sidecar.plan import options
+
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request hash: vLLM drops it
 
 
@@ -175,7 +177,7 @@ def chat_request(body: Mapping[str, Any], *, disabled_thinking_effort: str = "no
     if output.get("effort") is not None:
         req["reasoning_effort"] = output["effort"]
     thinking = body.get("thinking") or {}
-    if thinking.get("type") == "disabled":
+    if thinking.get("type") in ("disabled", "between_tools"):  # between_tools: vLLM 0.34, thinking off up front
         req["reasoning_effort"] = disabled_thinking_effort
     elif thinking.get("type") == "enabled":
         req["thinking_token_budget"] = thinking["budget_tokens"]
@@ -200,14 +202,11 @@ def chat_effort(rendered: Mapping[str, Any]) -> str:
     return effort if isinstance(effort, str) else "none"
 
 
-COUNT_FIELDS = ("model", "messages", "output_config", "system", "thinking", "tool_choice", "tools",
-                "chat_template_kwargs")
-
-
 def count_render_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A ``count_tokens`` request as a Messages request render accepts: only the fields vLLM's
-    ``AnthropicCountTokensRequest`` reads, one output token, and ``do_remote_decode`` so that
-    render skips the thinking-budget-below-max_tokens rule (which counts nothing)."""
-    out = {k: body[k] for k in COUNT_FIELDS if k in body}
+    ``AnthropicCountTokensRequest`` reads (``options.CARRIED``), one output token, and
+    ``do_remote_decode`` so that render skips the thinking-budget-below-max_tokens rule (which
+    counts nothing)."""
+    out = {k: body[k] for k in options.CARRIED["count_tokens"] if k in body}
     out.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     return out
