@@ -82,11 +82,12 @@ def _vllm_chat_request(cls, body: dict[str, Any], merge: bool, effort: str) -> d
     return req.model_dump(mode="json", exclude_unset=True, exclude_none=True)
 
 
-def _ours_validated(body: dict[str, Any], merge: bool, effort: str) -> dict[str, Any]:
+def _ours_validated(body: dict[str, Any], merge: bool, effort: str, min_tokens: int = 0) -> dict[str, Any]:
     """Ours, read by vLLM's ChatCompletionRequest as the derender tier reads it."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    ours = anthropic_request.chat_request(body, merge_inline_system=merge, disabled_thinking_effort=effort)
+    ours = anthropic_request.chat_request(body, merge_inline_system=merge, disabled_thinking_effort=effort,
+                                          min_tokens=min_tokens)
     return ChatCompletionRequest.model_validate(ours).model_dump(mode="json", exclude_unset=True, exclude_none=True)
 
 
@@ -108,9 +109,7 @@ NEWER: dict[str, dict[str, Any]] = {
     "min_tokens": {**BASE, "min_tokens": 3, "stop_sequences": ["a"]},  # 0.34
 }
 REFUSED_BEFORE = {"thinking_between_tools": "0.34"}  # case -> the first lane whose vLLM accepts it
-# Sampling fields the legs take from render's ``sampling_params`` (the engine samples by those;
-# the parser context's copy is overridden by them: ``disagg_engine.protocol.chat_context``).
-FROM_SAMPLING = ("min_tokens",)
+HONOURED_FROM = {"min_tokens": "0.34"}  # case -> the first lane whose vLLM reads its field
 _TO_CHAT = """
 import json, sys
 from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
@@ -135,8 +134,10 @@ print("CHAT " + json.dumps(out))
 def test_the_chat_request_is_each_lanes_vllms(lane: str) -> None:
     """The mapping against ``to_chat_completion_request`` of each lane's vLLM (in a process that
     runs it), with the fields only newer releases have: one that a lane's vLLM ignores changes
-    nothing there, one it honours is vLLM's mapping."""
-    cases = {f"{name}-{merge}": (body, merge) for name, body in {**REQUESTS, **NEWER}.items() for merge in (False, True)}
+    nothing there, one it honours is vLLM's mapping. ``min_tokens`` comes from render's answer
+    (``chat_request_as_rendered``): here the lane's vLLM says what render applies."""
+    cases = {f"{name}-{merge}": (body, merge) for name, body in {**REQUESTS, **NEWER}.items()
+             for merge in (False, True)}
     out = subprocess.run([sys.executable, "-c", _TO_CHAT, json.dumps(cases)], env={**os.environ, **lane_env(lane)},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -150,11 +151,14 @@ def test_the_chat_request_is_each_lanes_vllms(lane: str) -> None:
         assert (want is None) == (first is not None and order.index(lane) < order.index(first)), key
         if want is None:
             continue
-        got = _ours_validated(json.loads(json.dumps(body)), merge, "low")
+        since = HONOURED_FROM.get(name)
+        applied = want.get("min_tokens", 0)
+        assert (applied != 0) == (since is not None and order.index(lane) >= order.index(since)), key
+        got = _ours_validated(json.loads(json.dumps(body)), merge, "low", min_tokens=applied)
         for side in (want, got):
             side.pop("kv_transfer_params", None)
-            for field in FROM_SAMPLING:
-                side.pop(field, None)
+            if side.get("min_tokens") == 0:  # 0.34 sets the default explicitly: the same request
+                del side["min_tokens"]
         assert got == want, key
 
 
@@ -291,3 +295,18 @@ def test_openai_errors_become_anthropics_object_as_vllm_translates_them() -> Non
     # already Anthropic's: kept
     mine = json.dumps(want).encode()
     assert anthropic.error_from_bytes(mine, 400) == mine
+
+
+@pytest.mark.parametrize("body, gen, min_tokens, effort", [
+    # vLLM 0.34's render applied the client's min_tokens: the derender tier must see it too
+    ({**BASE, "min_tokens": 3}, {"sampling_params": {"min_tokens": 3}}, 3, None),
+    # an older render ignored it (not in its model): so does the parser context
+    ({**BASE, "min_tokens": 3}, {"sampling_params": {"max_tokens": 50}}, None, None),
+    ({**BASE, "thinking": {"type": "disabled"}},
+     {"sampling_params": {}, "reasoning_parser_kwargs": {"chat_template_kwargs": {"reasoning_effort": "low"}}},
+     None, "low"),
+    ({**BASE, "thinking": {"type": "between_tools"}}, {"sampling_params": None}, None, "none"),
+])
+def test_the_chat_request_takes_what_render_applied(body, gen, min_tokens, effort) -> None:
+    chat = anthropic_request.chat_request_as_rendered(body, gen)
+    assert chat.get("min_tokens") == min_tokens and chat.get("reasoning_effort") == effort
