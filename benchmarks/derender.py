@@ -2,7 +2,8 @@
 streamed through coupled vLLM, the sidecar with inline derender (decode runs the extension), the
 sidecar chained to the derender tier's stateless endpoint (stock decode) with and without
 coalescing, and the sidecar chained through a derender session on the render tier (stock decode;
-the render server runs the extension).
+the render server runs the extension); on the vLLM 0.34 lane, its coupled server and the sidecar
+in front of its stock decode engine, which derenders its own stream (``stock-inline``).
 
 Per path and n: CPU of every non-engine process (vLLM API servers by pid, the sidecar, render),
 bytes and calls between the sidecar and the render/derender tier (a counting pass-through), the
@@ -21,10 +22,16 @@ from benchmarks.procs import CpuMeter
 from benchmarks.stack import counting_proxy, max_output_tokens, sidecar, sidecar_config, traffic
 from benchmarks.stats import paired_ratios, summary
 from disagg_engine.sessions import CHAT_SESSION_PATH
+from disagg_operator.engine_args import vllm_features
 from tests.harness.openai_views import chat_stream_view
 
 LENGTHS = (64, 256, 1024, 4096, 8192)
 PATHS = ("coupled", "inline", "chained", "chained_nocoalesce", "session", "session_per_token")
+# vLLM 0.34 (its lane's servers): a stock decode engine derenders its own stream from render's
+# parse_context, as the operator configures a 0.34 model without the extension.
+STOCK_LANE, STOCK_VERSION = "0.34", "0.34.0"
+STOCK_PATHS = ("coupled_034", "stock_inline")
+REFERENCE = {"coupled": None, "coupled_034": None, "stock_inline": "coupled_034"}  # the rest: "coupled"
 DERENDER = ("/v1/chat/completions/derender", CHAT_SESSION_PATH)  # stateless calls, sessions
 LOCAL_PREFILL = {"mode": "local", "discovery": None}
 # One derender call per token is slow (~10 ms of render CPU each here, more as n grows): longer
@@ -73,35 +80,74 @@ def run(ctx) -> dict[str, Any]:
                         if name == "chained_nocoalesce" and n > nocoalesce_max:
                             continue
                         url, pids = target[name]
-                        meter = CpuMeter(pids)
-                        tier_proxy.calls.clear()
-                        meter.start()
-                        (s,) = run_load(url + "/v1/chat/completions", [bodies[n]], keep=True)
-                        cpu = meter.stop()
-                        moved = traffic(tier_proxy.calls)
-                        if not s.ok:
-                            raise RuntimeError(f"{name} n={n}: {s.error}")
-                        view = chat_stream_view(s.events)
-                        if name == "coupled":
-                            want = view
-                        elif view != want:
-                            mismatches.append(f"round {r} n={n} {name}")
-                        derender = [p for p in DERENDER if p in moved["calls"]]
-                        rows[name][n].append({
-                            "wall_s": s.latency, "chunks": s.chunks, "max_gap_s": max(s.gaps, default=0.0),
-                            "cpu_total_s": sum(cpu.values()), **{f"cpu_{k}_s": v for k, v in cpu.items()},
-                            "derender_calls": sum(moved["calls"][p] for p in derender),
-                            "bytes_to_derender": sum(moved["bytes_out"][p] for p in derender),
-                            "bytes_from_derender": sum(moved["bytes_in"][p] for p in derender),
-                            "bytes_render_leg": sum(moved["bytes_out"].values()) + sum(moved["bytes_in"].values())
-                            - sum(moved["bytes_out"][p] + moved["bytes_in"][p] for p in derender),
-                            "bytes_floor": floor[n],
-                        })
-                        if name.startswith("session") and moved["calls"].get(CHAT_SESSION_PATH) != 1:
-                            mismatches.append(f"round {r} n={n} session: {moved['calls']} (not one session)")
-                        ctx.log(f"derender r{r} n={n} {name}: wall {s.latency:.2f}s chunks {s.chunks} "
-                                f"cpu {sum(cpu.values()):.2f}s calls {moved['calls']}")
+                        want = measure(ctx, f"r{r} n={n} {name}", url, pids, bodies[n], floor[n], tier_proxy,
+                                       rows[name][n], want, mismatches)
+    stock_lengths = [n for n in lengths if n <= max_output_tokens(ctx.lane_servers(STOCK_LANE))]
+    for name in STOCK_PATHS:
+        rows[name] = {n: [] for n in stock_lengths}
+    run_stock(ctx, stock_lengths, rounds, bodies, floor, rows, mismatches)
     return summarise(rows, lengths, mismatches)
+
+
+def run_stock(ctx, lengths: list[int], rounds: int, bodies: dict[int, dict], floor: dict[int, int],
+              rows: dict[str, dict[int, list[dict[str, float]]]], mismatches: list[str]) -> None:
+    """The 0.34 lane's pair, alternating per round: its coupled server, and a sidecar (render and
+    derender tier behind the counting pass-through: it should see no derender call) in front of its
+    stock decode engine (the lane's coupled server, a stock ``--enable-scale-out`` engine)."""
+    lane = ctx.lane_servers(STOCK_LANE)
+    pid = {role: lane.servers[role].pid for role in ("render", "coupled")}
+    with counting_proxy(lane.url("render")) as tier_proxy:
+        config = sidecar_config(lane, render={"url": tier_proxy.url}, derender={"url": tier_proxy.url},
+                                prefill=LOCAL_PREFILL, decode={"url": lane.url("coupled")},
+                                engine={"vllm_version": STOCK_VERSION, "extension": False, "derender_sessions": False,
+                                        "features": vllm_features(STOCK_VERSION)})
+        with sidecar(config) as proc:
+            target = {"coupled_034": (lane.url("coupled"), {"api": pid["coupled"]}),
+                      "stock_inline": (proc.url, {"api": pid["coupled"], "sidecar": proc.proc.pid, "render": pid["render"]})}
+            for url, _ in target.values():
+                run_load(url + "/v1/chat/completions", [bodies[min(bodies)]])
+            for r in range(rounds):
+                for n in lengths:
+                    want = None
+                    for name in STOCK_PATHS:
+                        url, pids = target[name]
+                        want = measure(ctx, f"r{r} n={n} {name}", url, pids, bodies[n], floor[n], tier_proxy,
+                                       rows[name][n], want, mismatches)
+
+
+def measure(ctx, label: str, url: str, pids: dict[str, int], body: dict, floor: int, tier_proxy: Any,
+            out: list[dict[str, float]], want: Any, mismatches: list[str]) -> Any:
+    """One streamed request to ``url``: its row appended to ``out``; its view, which is ``want`` when
+    it is the round's reference (``want`` None), else compared with it. Returns the reference view."""
+    meter = CpuMeter(pids)
+    tier_proxy.calls.clear()
+    meter.start()
+    (s,) = run_load(url + "/v1/chat/completions", [body], keep=True)
+    cpu = meter.stop()
+    moved = traffic(tier_proxy.calls)
+    if not s.ok:
+        raise RuntimeError(f"{label}: {s.error}")
+    view = chat_stream_view(s.events)
+    if want is None:
+        want = view
+    elif view != want:
+        mismatches.append(label)
+    derender = [p for p in DERENDER if p in moved["calls"]]
+    out.append({
+        "wall_s": s.latency, "chunks": s.chunks, "max_gap_s": max(s.gaps, default=0.0),
+        "cpu_total_s": sum(cpu.values()), **{f"cpu_{k}_s": v for k, v in cpu.items()},
+        "derender_calls": sum(moved["calls"][p] for p in derender),
+        "bytes_to_derender": sum(moved["bytes_out"][p] for p in derender),
+        "bytes_from_derender": sum(moved["bytes_in"][p] for p in derender),
+        "bytes_render_leg": sum(moved["bytes_out"].values()) + sum(moved["bytes_in"].values())
+        - sum(moved["bytes_out"][p] + moved["bytes_in"][p] for p in derender),
+        "bytes_floor": floor,
+    })
+    if " session" in label and moved["calls"].get(CHAT_SESSION_PATH) != 1:
+        mismatches.append(f"{label}: {moved['calls']} (not one session)")
+    ctx.log(f"derender {label}: wall {s.latency:.2f}s chunks {s.chunks} cpu {sum(cpu.values()):.2f}s "
+            f"calls {moved['calls']}")
+    return want
 
 
 def bytes_growth(by_n: dict[int, dict[str, Any]]) -> float:
@@ -134,8 +180,9 @@ def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[
             if not runs:
                 continue
             table[path][n] = {k: summary([r[k] for r in runs]) for k in runs[0]}
-            if path != "coupled" and rows["coupled"][n]:
-                coupled = rows["coupled"][n]
+            reference = REFERENCE.get(path, "coupled")
+            if reference is not None and rows[reference].get(n):
+                coupled = rows[reference][n]
                 table[path][n]["cpu_ratio"] = paired_ratios([r["cpu_total_s"] for r in runs],
                                                             [r["cpu_api_s"] for r in coupled])
                 table[path][n]["chunks_ratio"] = paired_ratios([r["chunks"] for r in runs],
@@ -159,5 +206,8 @@ def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[
     keys[f"session_bytes_ratio_{n}"] = med("session", "bytes_to_derender") / med("session", "bytes_floor")
     keys["session_bytes_per_token_growth"] = bytes_growth(table.get("session", {}))
     keys[f"session_per_token_cpu_ratio_{n}"] = med("session_per_token", "cpu_ratio")
+    keys[f"stock_inline_cpu_ratio_{n}"] = med("stock_inline", "cpu_ratio")
+    keys[f"stock_inline_chunks_ratio_{n}"] = med("stock_inline", "chunks_ratio")
+    keys[f"stock_inline_derender_calls_{n}"] = med("stock_inline", "derender_calls")
     return {"keys": keys, "lengths": lengths, "nocoalesce_max": NOCOALESCE_MAX, "table": table, "mismatches": mismatches,
             "outputs_equal_coupled": not mismatches}

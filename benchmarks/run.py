@@ -43,6 +43,7 @@ class Context:
         self.overrides = overrides or {}
         self.part = ""
         self._servers = None
+        self._lanes: dict[str, Any] = {}
 
     def sizes(self, name: str, default: Any) -> Any:
         key = f"{self.part}.{name}"
@@ -59,6 +60,18 @@ class Context:
             self._servers = self.stack.enter_context(server_set(logs))
             self.log(f"servers ready in {time.monotonic() - t0:.0f}s")
         return self._servers
+
+    def lane_servers(self, lane: str):
+        """A vLLM lane's four servers (``disagg_engine.testing.server_set``; attached with
+        ``DISAGG_ATTACH_SERVERS_<lane digits>``), started on first use."""
+        if lane not in self._lanes:
+            from benchmarks.stack import lane_server_set
+
+            t0 = time.monotonic()
+            logs = Path(tempfile.mkdtemp(prefix=f"bench-server-logs-{lane}-"))
+            self._lanes[lane] = self.stack.enter_context(lane_server_set(lane, logs))
+            self.log(f"vLLM {lane} servers ready in {time.monotonic() - t0:.0f}s")
+        return self._lanes[lane]
 
     @cached_property
     def _tokenizer(self):

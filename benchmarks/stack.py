@@ -18,12 +18,12 @@ import aiohttp
 from aiohttp import web
 
 from disagg_engine.servers import ServerSpec, free_port, start_all
-from disagg_engine.testing.server_set import ENGINE_ENV, ROLE_ENV, ROLES, ServerSet, role_argv
+from disagg_engine.testing.server_set import ENGINE_ENV, ROLE_ENV, ROLES, ServerSet, role_argv, start_server_set
 from disagg_engine.testing.tiny_model import ensure_model
 from tests.harness.engine import _attached_set
 from tests.sidecar.support import LoopThread, SidecarProcess, serve_every_path, sidecar_config, sidecar_process
 
-__all__ = ["counting_proxy", "server_set", "sidecar", "sidecar_config", "traffic"]
+__all__ = ["counting_proxy", "lane_server_set", "server_set", "sidecar", "sidecar_config", "traffic"]
 
 
 # The harness's 8,192 leaves no room for an 8,192-token answer after its prompt.
@@ -53,6 +53,20 @@ def server_set(log_dir: Path) -> Iterator[ServerSet]:
     servers = start_all(specs, log_dir, timeout=1800)
     sset = ServerSet({s.spec.name: s for s in servers}, model, kv_dir, log_dir)
     sset.bench_owned = True  # type: ignore[attr-defined]
+    try:
+        yield sset
+    finally:
+        sset.stop()
+
+
+@contextmanager
+def lane_server_set(lane: str, log_dir: Path) -> Iterator[ServerSet]:
+    """A vLLM lane's four servers as the test harness runs them (its context length), or attached
+    ones (``DISAGG_ATTACH_SERVERS_034`` for the 0.34 lane)."""
+    if attach := os.environ.get(f"DISAGG_ATTACH_SERVERS_{lane.replace('.', '')}"):
+        yield _attached_set(attach)
+        return
+    sset = start_server_set(log_dir, lane=lane, timeout=1800)
     try:
         yield sset
     finally:

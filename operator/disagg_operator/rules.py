@@ -43,6 +43,9 @@ SOURCE_RE = (
 )
 VERSION_RE = r"^[0-9]+[.][0-9]+[.][0-9]+([-+.a-z][-+.a-z0-9]*)?$"
 
+# vLLM's switch for its in-memory Responses store (docs/protocol.md, "Other APIs").
+RESPONSE_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
+
 NO_CONNECTOR = "None"  # kvTransfer.connector's value that turns KV transfer off
 
 
@@ -240,6 +243,13 @@ RULES: tuple[Rule, ...] = (
         "env.one-value", "EnvVar", "!(has(self.value) && has(self.valueFrom))",
         "an env entry sets value or valueFrom, not both",
         lambda e: not (e.value is not None and e.value_from is not None),
+    ),
+    Rule(
+        "env.no-response-store", "EnvVar", f"self.name != '{RESPONSE_STORE_ENV}'",
+        f"{RESPONSE_STORE_ENV} is not supported: vLLM keeps stored responses in one engine's memory, and a "
+        "follow-up may reach another decode pod; Disagg serves the Responses API without the store (clients send "
+        "the conversation as input items)",
+        lambda e: e.name != RESPONSE_STORE_ENV, ".name",
     ),
     # --- engine ----------------------------------------------------------------------------------
     Rule(

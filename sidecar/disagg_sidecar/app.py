@@ -197,8 +197,8 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     kv = get_connector(config.kv_connector) if config.prefill.mode == "remote" and config.kv_connector else None
     decoder = Decoder(config, upstream, app[METRICS], state.answers)
     app[FLOWS] = Flows(config, PoolLegs(config, upstream, app[METRICS], kv), decoder, state.capabilities,
-                       state.model_name, state.decode_release,
-                       DecodeAlone(config, upstream, app[METRICS], decoder), state.tiers_up)
+                       state.model_name, DecodeAlone(config, upstream, app[METRICS], decoder),
+                       state.decode_release, state.tiers_up)
     await _probe(app)
     prober = asyncio.create_task(_probe_forever(app))
     try:
@@ -229,8 +229,8 @@ def build_app(config: SidecarConfig) -> web.Application:
     app.router.add_post(wire.MESSAGES, handlers.messages, expect_handler=expect)
     app.router.add_post(wire.MESSAGES_COUNT_TOKENS, handlers.count_tokens, expect_handler=expect)
     app.router.add_post(wire.RESPONSES, handlers.responses, expect_handler=expect)
-    app.router.add_get(wire.RESPONSES + "/{response_id}", handlers.responses)
-    app.router.add_post(wire.RESPONSES + "/{response_id}/cancel", handlers.responses, expect_handler=expect)
+    app.router.add_get(wire.RESPONSES + "/{response_id}", handlers.stored_response)
+    app.router.add_post(wire.RESPONSES + "/{response_id}/cancel", handlers.stored_response, expect_handler=expect)
     app.router.add_get(wire.MODELS, handlers.models, expect_handler=expect)
     app.router.add_get(wire.HEALTH, handlers.health)
     app.router.add_get(wire.LIVE, handlers.live)

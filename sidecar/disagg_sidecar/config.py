@@ -270,6 +270,9 @@ class Limits(Model):
     drain_seconds: float = Field(30, ge=0, description="After deregister_seconds: how long in-flight requests may finish.")
     coalesce: bool = Field(True, description="Merge generate chunks that arrive while a derender call is in flight.")
     session_stream_interval: int = Field(4, ge=1, description="Tokens per decode chunk of a session-derendered stream.")
+    derender_stream_bytes: int = Field(64 << 20, ge=1 << 20, description="What the stateless derender calls of one "
+                                       "chained stream may carry in all (each carries the parser context and the prompt's "
+                                       "token ids): a request whose calls would carry more gets more tokens per call.")
     keepalive_seconds: float = Field(4.0, gt=0, lt=5, description="Idle upstream connections; below vLLM's 5 s.")
     health_interval_seconds: float = Field(2.0, gt=0)
     # Bad and slow clients: each limit is refused with an error naming it (docs/security.md).

@@ -35,8 +35,9 @@ class Metrics:
         self.mode_fallbacks = Counter(f"{ns}_output_mode_fallbacks",
                                       "Decode engines that did not produce the requested output_mode (chained instead).",
                                       ["requested"], registry=r)
-        self.decode_answered = Counter(f"{ns}_decode_answered", "Requests the decode engine answered itself, its "
-                                       "render or derender tier down (render.failure_policy decode), by reason.",
+        self.decode_answered = Counter(f"{ns}_decode_answered", "Requests the decode engine answered itself, by "
+                                       "reason: its render or derender tier down (render.failure_policy decode), or "
+                                       "a Responses request reading vLLM's response store.",
                                        ["reason"], registry=r)
         self.derender_calls = Counter(f"{ns}_derender_calls", "Calls to the derender tier.", ["kind"], registry=r)
         self.coalesced_chunks = Counter(f"{ns}_coalesced_chunks",

@@ -22,6 +22,7 @@ from openai import OpenAI
 from tests.cluster.real_node import node_pids, running
 from tests.harness.cluster import REAL_NODE, Cluster, ClusterError, RealNodeSession, host_state, node_script
 from tests.harness.cluster_tiny import MODEL, ClusterTiny, get, pods, start_cluster_tiny
+from tests.harness.agent_apis import agent_views
 from tests.harness.coupled import forced_views
 from tests.harness.engine import early_fixture
 from tests.harness.request_stream import RequestStream
@@ -155,6 +156,23 @@ def test_decode_metrics_show_the_prompt_kv_came_from_prefill(
         time.sleep(0.2)
     assert after["prefill"]["done"] == before["prefill"]["done"] + 1
     assert after["decode"]["hits"] > before["decode"]["hits"]
+
+
+@pytest.mark.parity
+def test_responses_and_messages_through_their_sdks_equal_the_coupled_reference_with_kv_from_prefill(
+    engine_set, cluster: Cluster, tiny: Deployed, forcer
+) -> None:
+    """The openai SDK's Responses and the anthropic SDK's Messages calls through the decode Service
+    read what the coupled reference gives them; each new prompt's KV came from the prefill pod."""
+    [decode] = pods(cluster, tiny.ns, "decode")
+    decode_url = f"http://{decode['status']['podIP']}:8200"
+    before = _counters(decode_url)
+    got = agent_views(tiny.url, forcer, note=f"{time.time_ns()} ")
+    assert got == agent_views(engine_set.url("coupled"), forcer)
+    deadline = time.monotonic() + 30
+    while _counters(decode_url)["hits"] <= before["hits"]:
+        assert time.monotonic() < deadline, "the decode pod loaded no KV from prefill"
+        time.sleep(0.2)
 
 
 def _uids(cluster: Cluster, ns: str, pool: str) -> set[str]:

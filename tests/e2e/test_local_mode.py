@@ -14,6 +14,7 @@ import yaml
 from openai import OpenAI
 
 from tests.harness.engine import disagg
+from tests.harness.agent_apis import agent_views
 from tests.harness.coupled import forced_views
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +61,11 @@ def test_forced_reasoning_tool_call_equals_the_coupled_reference(engine_set, for
     got_view, want = forced_views(engine_set, forcer, client, "reasoning_tool_call", stream)
     assert got_view == want
     assert want["choices"][0]["tool_calls"] == [("get_weather", {"city": "東京"})]
+
+
+@pytest.mark.parity
+def test_responses_and_messages_through_their_sdks_equal_the_coupled_reference(engine_set, forcer, local_tiny):
+    assert agent_views(local_tiny.endpoint, forcer) == agent_views(engine_set.url("coupled"), forcer)
 
 
 @pytest.mark.cluster

@@ -79,6 +79,8 @@ INVALID: tuple[Invalid, ...] = (
     Invalid("chat-template.one-source", model(chatTemplate={}), "spec.model.chatTemplate"),
     Invalid("env.one-value", model(env=[{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]),
             "spec.model.env.0"),
+    Invalid("env.no-response-store", model(env=[{"name": "VLLM_ENABLE_RESPONSES_API_STORE", "value": "1"}]),
+            "spec.model.env.0.name"),
     Invalid("engine.vllm-version", {"engine": {"vllmVersion": "0.31.2"}}, "spec.engine.vllmVersion"),
     Invalid("engine.port", {"engine": {"port": 80}}, "spec.engine.port"),
     Invalid("kv.connector", {"kvTransfer": {"connector": "LMCacheConnectorV1"}}, "spec.kvTransfer.connector"),

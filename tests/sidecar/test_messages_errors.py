@@ -185,21 +185,6 @@ def test_a_refused_option_is_named_in_anthropics_object_and_not_forwarded(engine
         assert len(engine.posts()) == before
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
-                                              ("POST", "/v1/responses/resp_1/cancel")])
-def test_the_responses_api_is_refused_in_openais_words(engine: FakeEngine, method: str, path: str) -> None:
-    """Not served yet (docs/protocol.md): a 501 saying so, nothing read or forwarded."""
-    with run_sidecar(fake_config(engine)) as sidecar:
-        before = len(engine.posts())
-        resp = requests.request(method, sidecar.url + path, json={"model": "tiny-qwen3", "input": "Hi"}, timeout=30)
-        assert resp.status_code == 501
-        error = Answer(resp.status_code, {}, resp.content).openai_error()
-        assert error is not None and "/v1/chat/completions" in error["message"]
-        assert len(engine.posts()) == before
-        assert sidecar.metric("disagg_sidecar_requests_total", api="responses", code="501") == (method == "POST"
-                                                                                               and path == "/v1/responses")
-
-
 def test_leg_seconds_name_the_api(two_engines: tuple[FakeEngine, FakeEngine]) -> None:
     """``disagg_sidecar_leg_seconds{leg, api}``: each leg timed under the API its request came in on."""
     tiers, decode = two_engines

@@ -8,6 +8,7 @@ import pytest
 from disagg_sidecar.config import Capabilities
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar import vllm_releases
+from disagg_sidecar.plan import decisions
 from disagg_sidecar.plan.decisions import (
     DecodePlan,
     answered_mode,
@@ -153,3 +154,17 @@ def test_generate_request_checks(body) -> None:
 
 def test_generate_request_ok() -> None:
     check_generate_request({"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}, "output_mode": "derender"})
+
+
+@pytest.mark.parametrize("max_tokens, choices, call_bytes, budget, tokens", [
+    (256, 1, 2_000, 64 << 20, 1),  # a usual request: a call per chunk
+    (8192, 1, 64 << 10, 64 << 20, 8),
+    (256, 1, 15 << 20, 64 << 20, 60),  # 15 MiB of tools: 5 calls of 60 tokens, not 256
+    (256, 2, 15 << 20, 64 << 20, 120),  # two choices share the budget
+    (1, 1, 1 << 30, 64 << 20, 1),
+])
+def test_tokens_per_derender_call_bound_what_a_streams_calls_carry(max_tokens, choices, call_bytes, budget, tokens):
+    got = decisions.tokens_per_derender_call(max_tokens, choices, call_bytes, budget)
+    assert got == tokens
+    calls = choices * -(-max_tokens // got)
+    assert calls * call_bytes <= budget + choices * call_bytes  # the bound, one call per choice over it at most

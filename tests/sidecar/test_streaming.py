@@ -141,6 +141,28 @@ async def test_lanes_coalesce_while_a_call_is_in_flight(coalesce: bool) -> None:
         assert len(tier.calls) == 13 and set(merged_sizes) == {1}
 
 
+async def test_min_tokens_makes_a_call_wait_for_that_many_tokens_or_the_end() -> None:
+    """A call waits for ``min_tokens`` of its choice (not for the tier): each call of a 10-token
+    choice carries 4, the last what is left at its finish; another choice's end sends its 1 token."""
+    tier = FakeTier()
+    out: list[dict] = []
+
+    async def emit(c: dict) -> None:
+        out.append(c)
+
+    chained = ChainedDerender(tier.call, emit, coalesce=False, min_tokens=4)
+    for t in range(1, 10):
+        chained.feed(chunk(0, [t]))
+        await asyncio.sleep(0)  # let a lane run (it must not call below 4 tokens)
+    chained.feed(chunk(0, [10], finish="stop"))
+    chained.feed(chunk(1, [100], finish="length"))
+    await chained.finish()
+    sizes = [(c["choices"][0]["index"], len(c["choices"][0]["token_ids"])) for c, _ in tier.calls]
+    assert sorted(sizes) == [(0, 2), (0, 4), (0, 4), (1, 1)]
+    ids = [t for c in out for ch in c["choices"] if ch["index"] == 0 for t in ch["ids"]]
+    assert ids == list(range(1, 11))
+
+
 async def test_a_failing_call_surfaces_in_feed_or_finish() -> None:
     async def call(c: dict, state: Any) -> tuple[dict, Any]:
         raise RuntimeError("derender down")

@@ -417,3 +417,36 @@ def test_a_float_logprobs_is_held_to_the_limit(ups: Upstreams) -> None:
         ok = post(sidecar.url, "/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {
             "max_tokens": 1, "logprobs": 5.0}})
         assert ok.status_code == 200, ok.text
+
+
+def test_a_chained_streams_derender_calls_carry_at_most_derender_stream_bytes(ups: Upstreams) -> None:
+    """A chat with 3 MiB of tools, streamed through the stateless chain: every derender call carries
+    the tools (vLLM's stateless derender reads them from each call's ``chat_request``), so the calls
+    of one stream take more tokens each to stay within ``limits.derender_stream_bytes`` (before:
+    one call per chunk, 32 x 3 MiB); the client still gets every token, in fewer chunks."""
+    tokens = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+    count = 32
+    events = [{"request_id": "gen-fake", "choices": [{"index": 0, "token_ids": [21 + i % 2], "stop_reason": None,
+                                                      "finish_reason": "length" if i == count - 1 else None}]}
+              for i in range(count)]
+
+    async def render(request: web.Request, body: Any) -> web.StreamResponse:
+        return web.json_response({**fake.rendered(client=body), "sampling_params": {"max_tokens": count}})
+    ups.render.routes["/v1/chat/completions/render"] = render
+    ups.decode.routes["/inference/v1/generate"] = fake.stream_raw(fake.sse_bytes(events))
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * (3 * MiB), "parameters": {}}}
+    body = {**fake.CHAT, "max_tokens": count, "tools": [tool], "stream": True}
+    budget = 8 * MiB
+    config = fake.config(ups, decode={"capabilities": tokens}, limits={"coalesce": False, "derender_stream_bytes": budget})
+    with run_sidecar(config) as sidecar:
+        resp = post(sidecar.url, "/v1/chat/completions", body, timeout=120)
+        got = read_stream(resp)
+    assert resp.status_code == 200 and got[-1] == "[DONE]", got[-2:]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in got[:-1] if c.get("choices"))
+    assert text == "".join(("hello", " there")[i % 2] for i in range(count))
+    calls = ups.render.posts("/v1/chat/completions/derender")
+    sent = sum(len(json.dumps(c.body)) for c in calls)
+    one = len(json.dumps(calls[0].body))
+    assert one > 3 * MiB and sent <= budget + one, f"{len(calls)} calls, {sent >> 20} MiB"
+    assert 1 <= len(calls) <= 3  # ceil(32 tokens x 3 MiB / 8 MiB) = 12 tokens a call at least: 12 + 12 + 8
+

@@ -199,6 +199,7 @@ class StreamCall(Protocol):
     """One streaming derender call (``stream.DerenderCall``) and whether choices are held whole."""
 
     hold: bool
+    call_bytes: int  # what each call sends whatever its chunk (``legs.DerenderLeg.call_bytes``)
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]: ...
 
@@ -209,6 +210,7 @@ class ChatStream:
     def __init__(self, leg: legs.DerenderLeg, opts: Options, tier: TierCall, logprobs: bool):
         self.leg, self.opts, self.tier, self.logprobs = leg, opts, tier, logprobs
         self.hold = opts.stops.hold
+        self.call_bytes = leg.call_bytes * (2 if logprobs else 1)  # a logprobs call beside each chunk's
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
         ready = chat_ready(chunk, self.opts)
@@ -251,6 +253,7 @@ class CompletionStream:
     def __init__(self, leg: legs.DerenderLeg, opts: Options, tier: TierCall):
         self.leg, self.opts, self.tier = leg, opts, tier
         self.hold = opts.stops.hold
+        self.call_bytes = leg.call_bytes
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
         ready = generate_for_derender(completion_candidates(chunk, self.opts.completion_logprobs), self.opts.stops.include)

@@ -92,11 +92,14 @@ class ChainedDerender:
     """
 
     def __init__(self, call: DerenderCall, emit: Emit, *, coalesce: bool = True, hold: bool = False,
-                 on_call: Callable[[int], None] = lambda merged: None):
+                 min_tokens: int = 1, on_call: Callable[[int], None] = lambda merged: None):
         self._call = call
         self._emit = emit
         self._coalesce = coalesce
         self._hold = hold  # send a choice only once it finished, as one merged chunk (stop strings)
+        # Tokens a call waits for (a choice's end, or the stream's, sends what there is): bounds what
+        # the calls of a stream carry (``decisions.tokens_per_derender_call``).
+        self._min_tokens = min_tokens
         self._on_call = on_call  # called with the number of generate chunks in each call
         self._lanes: dict[int, _Lane] = {}
         self._tail: list[Chunk] = []  # usage-only chunks: sent after every lane is done
@@ -156,9 +159,10 @@ class ChainedDerender:
                 await lane.wake.wait()
                 lane.wake.clear()
                 while lane.pending:
-                    if self._hold and not lane.closed and not any(_finished(c) for c in lane.pending):
+                    waits = self._hold or _tokens(lane.pending) < self._min_tokens
+                    if waits and not lane.closed and not any(_finished(c) for c in lane.pending):
                         break
-                    if self._hold or self._coalesce:
+                    if self._hold or self._coalesce or self._min_tokens > 1:
                         batch, lane.pending = lane.pending, []
                     else:
                         batch = [lane.pending.pop(0)]
@@ -170,6 +174,10 @@ class ChainedDerender:
         except BaseException as exc:
             self._error = exc
             raise
+
+
+def _tokens(chunks: list[Chunk]) -> int:
+    return sum(len(c.get("token_ids") or ()) for chunk in chunks for c in chunk.get("choices") or ())
 
 
 def _finished(chunk: Chunk) -> bool:

@@ -193,13 +193,35 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "count_tokens")
 
 
-async def responses(request: web.Request) -> web.Response:
-    """The OpenAI Responses API (``POST /v1/responses``, ``GET /v1/responses/{id}``,
-    ``POST /v1/responses/{id}/cancel``) is refused in OpenAI's words before anything is read or
-    sent: its answer and stream are vLLM's Responses serving code (its own output items, events
-    and reasoning-token count), which the sidecar does not map yet (docs/protocol.md)."""
-    raise SidecarError(501, "The Responses API is not served through the disaggregated path yet: use "
-                            f"{wire.CHAT} or {wire.MESSAGES}", type_="NotImplementedError")
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "responses")
+
+
+# vLLM's response ids (``resp_<hex>``, or a client's ``request_id``): a path segment of printable characters.
+_RESPONSE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,160}$")
+_STORED_QUERY = ("stream", "starting_after")  # what vLLM's GET /v1/responses/{id} reads
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: the decode engine in this
+    pod answers, as a coupled server with the same response store does (Disagg's pods run without
+    one: vLLM's 404 naming the id; decisions.responses_route)."""
+    api_var.set("responses")
+    response_id = request.match_info["response_id"]
+    if not _RESPONSE_ID.match(response_id):
+        raise SidecarError(404, f"Response with id '{response_id[:160]}' not found.", type_="invalid_request_error",
+                           param="response_id")
+    path = f"{wire.RESPONSES}/{response_id}" + ("/cancel" if request.method == "POST" else "")
+    query = {k: v for k in _STORED_QUERY if (v := request.query.get(k)) is not None}
+    state = request.app[STATE]
+    if not state.try_reserve():
+        raise _no_slot(request)
+    ctx = context(request, None)
+    try:
+        body = await request.app[FLOWS].alone.stored(path, query, ctx)
+    finally:
+        state.release()
+    return web.Response(body=body, content_type="application/json", headers=ctx.response_headers())
 
 
 async def models(request: web.Request) -> web.Response:

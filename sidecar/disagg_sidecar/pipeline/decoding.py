@@ -155,8 +155,11 @@ class Decoder:
                      ctx: Context, stream_call: chained.StreamCall, chat_raw: bytes | None,
                      writer: SSEWriter, shaper: Shaper) -> Any:
         """Stream one prompt's decode leg to the client; returns its usage (sent by the caller)."""
+        min_tokens = decisions.tokens_per_derender_call(max_tokens_of(gen), choices_of(gen), stream_call.call_bytes,
+                                                        self.config.limits.derender_stream_bytes)
+
         async def read(resp: aiohttp.ClientResponse, modes: Modes) -> Any:
-            return await self._relay(resp, plan, modes, stream_call, writer, shaper, choices_of(gen), ctx)
+            return await self._relay(resp, plan, modes, stream_call, writer, shaper, choices_of(gen), ctx, min_tokens)
         return await self.call(gen, kv, plan, ctx, chat_raw, read)
 
     async def passthrough(self, request: web.Request, body: Mapping[str, Any], plan: RequestPlan,
@@ -208,7 +211,8 @@ class Decoder:
             raise leg_failure(exc) from exc
 
     async def _relay(self, resp: aiohttp.ClientResponse, plan: RequestPlan, modes: Modes,
-                     stream_call: chained.StreamCall, writer: SSEWriter, shaper: Shaper, n: int, ctx: Context) -> Any:
+                     stream_call: chained.StreamCall, writer: SSEWriter, shaper: Shaper, n: int, ctx: Context,
+                     min_tokens: int) -> Any:
         """The decode stream to the client: inline chunks shaped, tokens chunks chained. Each event
         is checked (``answers``); a stream that ends without its end is an error, not a short answer."""
         usage: list[Any] = []
@@ -244,8 +248,8 @@ class Decoder:
                     if plan.chains(answered):
                         if chain is None:
                             chain = sessions.derender_chain(self.up, stream_call, emit, plan.sessions, lambda out: (
-                                stream.ChainedDerender(stream_call, out, coalesce=plan.coalesce,
-                                                       hold=stream_call.hold, on_call=on_call)))
+                                stream.ChainedDerender(stream_call, out, coalesce=plan.coalesce, hold=stream_call.hold,
+                                                       min_tokens=min_tokens, on_call=on_call)))
                         chain.feed(event)
                     else:
                         await emit(event)
@@ -262,6 +266,13 @@ class Decoder:
         if error is not None:
             raise streamed_error(error)
         return usage[-1] if usage else None
+
+
+def max_tokens_of(gen: Mapping[str, Any]) -> int:
+    """The tokens a generate request may answer per choice (``legs.rendered`` makes it explicit)."""
+    sampling = gen.get(wire.SAMPLING_PARAMS)
+    m = sampling.get("max_tokens") if isinstance(sampling, Mapping) else None
+    return m if type(m) is int and m > 0 else legs.SAMPLING_DEFAULT_MAX_TOKENS
 
 
 def choices_of(gen: Mapping[str, Any]) -> int:

@@ -11,6 +11,9 @@ shapes from ``shapes``; the legs are called by ``poollegs`` (render, derender, p
   from it, planned as chat (``request.derived_chat``);
 - a ``GenerateRequest`` client gets its prefill leg rewritten and the decode answer passed
   through (``Decoder.passthrough``);
+- an OpenAI Responses request is rendered and prefilled like chat, and the decode engine answers
+  it on its own ``/v1/responses`` (``coupled``: vLLM's Responses code makes the answer); one that
+  reads vLLM's response store goes to the decode engine alone (``decisions.responses_route``);
 - the render or derender tier down under ``render.failure_policy: decode``: the decode engine
   answers the client's request itself (``coupled``);
 - client disconnect: upstream streams are closed and ``handlers`` has the engines still working
@@ -85,8 +88,8 @@ class Flows:
     decoder: Decoder
     capabilities: Callable[[], Capabilities]  # what the decode engine may be asked for now (derived plans)
     model_name: Callable[[], str | None]
+    alone: DecodeAlone  # the decode engine answering on its own route (Responses; render.failure_policy decode)
     decode_release: Callable[[], vllm_releases.Release | None] = lambda: None  # as the engine reported it
-    alone: DecodeAlone | None = None  # the decode engine answering itself (render.failure_policy decode)
     tiers_up: Callable[[], bool] = lambda: True  # the render and derender tiers answer their probes
 
     async def serve(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
@@ -95,12 +98,14 @@ class Flows:
         ``render.failure_policy: decode``, answered by the decode engine itself while the render or
         derender tier is down (known from the probes, or found by a leg before the first byte)."""
         policy = self.config.render.failure_policy
-        if self.alone is not None and decisions.render_route(plan.api, policy, self.tiers_up()) == "decode":
+        if decisions.render_route(plan.api, policy, self.tiers_up()) == "decode":
             return await self.alone.answer(request, raw, body, plan, ctx, "tier down")
+        if plan.api == "responses" and decisions.responses_route(body) == "decode":
+            return await self.alone.answer(request, raw, body, plan, ctx, "stored response")
         try:
             return await self._through_tiers(request, raw, body, plan, ctx)
         except SidecarError as exc:
-            if self.alone is None or not decisions.decode_answers_instead(plan.api, policy, exc.leg, exc.unavailable):
+            if not decisions.decode_answers_instead(plan.api, policy, exc.leg, exc.unavailable):
                 raise
             log.warning("the %s leg failed (%s): the decode engine answers itself", exc.leg, exc.message)
             return await self.alone.answer(request, raw, body, plan, ctx, "leg failed")
@@ -113,6 +118,8 @@ class Flows:
             return await self.completions(request, raw, body, plan, ctx)
         if plan.api == "messages":
             return await self.messages(request, raw, body, plan, ctx)
+        if plan.api == "responses":
+            return await self.responses(request, raw, body, plan, ctx)
         return await self.count_tokens(raw, body, ctx)
 
     def _shape(self, plan: RequestPlan, gen: Mapping[str, Any], prefilled: Prefilled, created: int,
@@ -214,6 +221,16 @@ class Flows:
         render_body = sse.dumps(anthropic_request.count_render_body(body))
         gen = await self.pools.render_chat(render_body, ctx, 1, wire.MESSAGES_RENDER)
         return json_answer(anthropic.count_tokens(len(gen[wire.TOKEN_IDS])), ctx.response_headers())
+
+    # -- OpenAI Responses: render and prefill here, the decode engine's own route answers ------------
+
+    async def responses(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
+                        ctx: Context) -> web.StreamResponse:
+        """Render (``/v1/responses/render``: the prompt the decode engine renders again, the same
+        tokens, so it finds their KV) and prefill; the decode engine answers on ``/v1/responses``."""
+        rendered = await self.pools.render_chat(legs.client_context(raw, body), ctx, 1, wire.RESPONSES_RENDER)
+        prefilled = await self.pools.prefill(plan.prompt_leg(rendered), ctx)
+        return await self.alone.prefilled(request, raw, body, plan, ctx, prefilled.kv, prefilled.cached_tokens)
 
     # -- completions -------------------------------------------------------------------------------
 

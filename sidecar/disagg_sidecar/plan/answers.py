@@ -9,6 +9,7 @@ is checked; the rest is the client's to read, as the coupled server would have s
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -165,20 +166,25 @@ def coupled(answer: Any, api: str, n: int) -> dict[str, Any]:
         _optional(out, "usage", dict, what)
     elif api == "messages" and (out.get("type") != "message" or not isinstance(out.get("content"), list)):
         raise InvalidAnswer(f"{what} is not a message")
+    elif api == "responses" and (out.get("object") != "response" or not isinstance(out.get("output"), list)):
+        raise InvalidAnswer(f"{what} is not a response")
     elif api == "count_tokens" and type(out.get("input_tokens")) is not int:
         raise InvalidAnswer(f"{what} has no input_tokens")
     return out
 
 
+_EVENT_TYPE = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z0-9_]+)*")
+
+
 def coupled_event(event: Any, api: str, n: int) -> dict[str, Any]:
-    """One event of the decode engine's own stream (an OpenAI chunk, or a Messages event with its
-    ``type``); an error event is vLLM's own and passes as it is."""
+    """One event of the decode engine's own stream (an OpenAI chunk, or a Messages or Responses
+    event with its ``type``); an error event is vLLM's own and passes as it is."""
     what = "a decode stream event"
     out = _object(event, what)
     if "error" in out:
         return out
-    if api == "messages":
-        if not isinstance(out.get("type"), str) or not out["type"].isidentifier():
+    if api in ("messages", "responses"):  # named events: the type names the SSE event
+        if not isinstance(out.get("type"), str) or not _EVENT_TYPE.fullmatch(out["type"]):
             raise InvalidAnswer(f"{what} has no type")
         return out
     _choices(out, n, what)

@@ -23,7 +23,7 @@ from disagg_sidecar.errors import bad_request
 from disagg_sidecar.plan import options, requestlimits
 from disagg_sidecar.plan.answers import MAX_TOKEN_ID, is_token_ids
 
-Api = Literal["chat", "completions", "generate", "messages", "count_tokens"]
+Api = Literal["chat", "completions", "generate", "messages", "count_tokens", "responses"]
 Chain = Literal["chat", "completions"]
 
 
@@ -89,6 +89,14 @@ def fit_to_render(decode_plan: DecodePlan, gen: Mapping[str, Any],
     return decode_plan
 
 
+def tokens_per_derender_call(max_tokens: int, choices: int, call_bytes: int, stream_bytes: int) -> int:
+    """The fewest tokens a stateless derender call of a chained stream carries, so that the calls of
+    all ``choices`` together carry at most ``stream_bytes`` (``limits.derender_stream_bytes``) plus
+    one call per choice: each call carries ``call_bytes`` that do not shrink (the parser context with
+    the client's tools, the prompt's token ids). A usual request gets 1: a call per chunk."""
+    return max(1, min(max_tokens, -(-max_tokens * choices * call_bytes // stream_bytes)))
+
+
 PrefillRoute = Literal["remote", "local", "skipped"]
 
 
@@ -103,7 +111,7 @@ def prefill_route(remote: bool, prompt_tokens: int, min_prompt_tokens: int) -> P
 # Who answers a request that needs the render tier: the tiers (render -> prefill -> decode ->
 # derender), or the decode engine alone on its own OpenAI route (``render.failure_policy: decode``).
 RenderRoute = Literal["tiers", "decode"]
-DECODE_ANSWERS = ("chat", "completions", "messages", "count_tokens")  # the APIs decode then serves itself
+DECODE_ANSWERS = ("chat", "completions", "messages", "count_tokens", "responses")  # the APIs decode then serves itself
 
 
 def render_route(api: Api, policy: str, tiers_up: bool) -> RenderRoute:
@@ -141,6 +149,33 @@ def check_messages_request(api: Literal["messages", "count_tokens"], body: Any) 
     if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
         raise bad_request("stream must be a boolean", "stream")
     options.check(api, body)
+
+
+# The Responses request fields that read vLLM's response store (``VLLM_ENABLE_RESPONSES_API_STORE``):
+# such a request goes to the decode engine alone, which answers it as a coupled server with the same
+# store does (Disagg's pods run without one: ``responses_route``).
+STORED_RESPONSE_FIELDS = ("previous_response_id", "background")
+
+
+def check_responses_request(body: Any) -> None:
+    """What the sidecar relies on of an OpenAI Responses request; render and the decode engine
+    validate the rest (vLLM's ``ResponsesRequest``)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
+        raise bad_request("stream must be a boolean", "stream")
+
+
+ResponsesRoute = Literal["tiers", "decode"]
+
+
+def responses_route(body: Mapping[str, Any]) -> ResponsesRoute:
+    """A Responses request that names a stored response or asks for background work reads vLLM's
+    response store, which lives in one decode engine's memory: it goes to the decode engine alone,
+    so its answer is that engine's (with the store off, as Disagg runs it, coupled vLLM's refusal:
+    404 for an unknown ``previous_response_id``, 400 for ``background``). Every other request runs
+    through the tiers."""
+    return "decode" if any(body.get(k) not in (None, False) for k in STORED_RESPONSE_FIELDS) else "tiers"
 
 
 def check_generate_request(body: Any) -> int:

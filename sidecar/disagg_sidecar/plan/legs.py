@@ -126,14 +126,29 @@ def client_context(raw: bytes, body: Mapping[str, Any]) -> bytes:
     """The client's request as the decode leg's ``chat_request``, without the ``kv_transfer_params``
     a client may put into it (top level or ``vllm_xargs``): only the connector decides those. The
     bytes as they came when there are none (the usual case: no re-serialising)."""
+    clean = _without_client_kv(body)
+    return raw if clean is body else dumps(clean)
+
+
+def with_kv_transfer_params(raw: bytes, body: Mapping[str, Any], kv: Mapping[str, Any] | None) -> bytes:
+    """A client's request (``raw``, parsed: ``body``) for a decode engine that answers it on its own
+    API route after a prefill leg (the Responses API): the client's ``kv_transfer_params`` out, the
+    prefill's in."""
+    if not kv:
+        return client_context(raw, body)
+    return dumps({**_without_client_kv(body), wire.KV_TRANSFER_PARAMS: dict(kv)})
+
+
+def _without_client_kv(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``body`` itself when it has no ``kv_transfer_params`` (top level or ``vllm_xargs``), else a copy without."""
     xargs = body.get("vllm_xargs")
     nested = isinstance(xargs, Mapping) and wire.KV_TRANSFER_PARAMS in xargs
     if wire.KV_TRANSFER_PARAMS not in body and not nested:
-        return raw
+        return body
     clean = {k: v for k, v in body.items() if k != wire.KV_TRANSFER_PARAMS}
     if nested:
         clean["vllm_xargs"] = {k: v for k, v in xargs.items() if k != wire.KV_TRANSFER_PARAMS}
-    return dumps(clean)
+    return clean
 
 
 def with_raw_field(body: bytes, key: str, raw: bytes) -> bytes:
@@ -222,6 +237,11 @@ class DerenderLeg:
             self._batch_ids = b'],"prompt_tokens":[%d],"prompt_token_ids":[%s]' % (n, ids)
             self._stream_ids = b',"prompt_tokens":%d,"prompt_token_ids":%s' % (n, ids)
         self._context_key = context_key
+
+    @property
+    def call_bytes(self) -> int:
+        """What every streaming call carries whatever its chunk: the parser context and the prompt's ids."""
+        return len(self.context) + len(self._stream_ids)
 
     def batch(self, generate_response: bytes) -> bytes:
         key = b'"generate_response":' if self.chain == "chat" else b'"generate_responses":['

@@ -123,6 +123,9 @@ def plan_request(api: Api, body: Any, caps: Capabilities, config: SidecarConfig)
     elif api == "messages" or api == "count_tokens":
         decisions.check_messages_request(api, body)
         n = 1
+    elif api == "responses":
+        decisions.check_responses_request(body)
+        n = 1
     else:
         n = decisions.check_openai_request(api, body)
     requestlimits.within(api, body, n, config.limits)

@@ -279,11 +279,12 @@ class Upstream:
     # -- the decode leg ------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def decode(self, body: bytes, headers: Mapping[str, str], inflight: InFlight | None = None,
-                     stream: bool = False, path: str = wire.GENERATE) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def decode(self, body: bytes | None, headers: Mapping[str, str], inflight: InFlight | None = None,
+                     stream: bool = False, path: str = wire.GENERATE,
+                     method: str = "POST") -> AsyncIterator[aiohttp.ClientResponse]:
         """The local engine's response at ``path`` (its generate route, or an OpenAI route when it
-        answers a client's request itself), open; leaving the block early closes the connection
-        (which makes vLLM abort the request)."""
+        answers a client's request itself; ``GET`` with no body for a stored response), open;
+        leaving the block early closes the connection (which makes vLLM abort the request)."""
         started = time.monotonic()
         url = self.decode_url
         if inflight is not None:
@@ -291,7 +292,7 @@ class Upstream:
         with self.tracing.leg("decode", url, path, headers) as (span, headers):
             try:
                 async with asyncio.timeout(self.idle_seconds if stream else None):  # a stream's wait for headers
-                    resp = await self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
+                    resp = await self.session.request(method, url + path, data=body, headers={**headers, **JSON_HEADERS},
                                                    timeout=self.decode_stream_timeout if stream else self.timeouts["decode"],
                                                    **NO_REDIRECTS)
             except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
