@@ -49,3 +49,9 @@ def short_chat(ids: list[int], stream: bool, i: int = 0) -> dict[str, Any]:
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+def short_message(ids: list[int], stream: bool, i: int = 0) -> dict[str, Any]:
+    """``short_chat`` as an Anthropic Messages request (thinking off the same way)."""
+    return {"model": SERVED, "messages": [{"role": "user", "content": f"Say something short ({i})."}],
+            "max_tokens": len(ids) + 8, "vllm_xargs": {"forced_token_ids": ids}, "stream": stream, **NO_THINKING}

@@ -48,8 +48,9 @@ def proxy(result: dict[str, Any], out: Path) -> list[str]:
     plt = _plt()
     table = result["table"]
     kinds = list(table)
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 4.5), sharey=False)
-    for ax, kind in zip(axes, kinds):
+    rows = (len(kinds) + 1) // 2  # an API's batch and stream side by side, one API per row
+    fig, axes = plt.subplots(rows, 2, figsize=(8, 4.5 * rows), sharey=False, squeeze=False)
+    for ax, kind in zip(axes.flat, kinds):
         data, labels = [], []
         for c in sorted(table[kind], key=int):
             for side in ("direct", "sidecar"):
@@ -59,6 +60,8 @@ def proxy(result: dict[str, Any], out: Path) -> list[str]:
         ax.set(title=kind, ylabel="latency (ms), whiskers p1-p99", yscale="log")
         ax.tick_params(axis="x", labelsize=7)
         ax.grid(True, axis="y", alpha=0.3)
+    for ax in axes.flat[len(kinds):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(out / "proxy_latency.png", dpi=110)
     plt.close(fig)

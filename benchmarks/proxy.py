@@ -1,6 +1,7 @@
 """Part 1, proxy overhead: the same short requests straight to the decode engine and through the
-sidecar in front of it (prefill local, so only the proxy differs; a chat through the sidecar
-also takes its render leg), chat and generate, batch and streamed, at several concurrencies.
+sidecar in front of it (prefill local, so only the proxy differs; a chat or Messages request
+through the sidecar also takes its render leg), per API (``APIS``: chat, Anthropic Messages) and
+generate, batch and streamed, at several concurrencies.
 
 Per side, kind and concurrency: latency p50/p99, TTFT, inter-chunk time, throughput, and the
 sidecar's CPU per request; separately the sidecar's CPU per relayed chunk (a long stream minus
@@ -12,15 +13,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.client import Sample, run_load
-from benchmarks.outputs import plain_ids, short_chat
+from benchmarks.outputs import plain_ids, short_chat, short_message
 from benchmarks.procs import cpu_seconds
 from benchmarks.profile import profile
 from benchmarks.stack import sidecar, sidecar_config
@@ -28,21 +30,33 @@ from benchmarks.stats import median, quantile, summary
 from disagg_engine.servers import free_port
 
 CONCURRENCY = (1, 16, 64)
-KINDS = ("chat", "chat_stream", "generate", "generate_stream")
 SHORT_TOKENS = 16
 CHUNK_GOAL_US, REQUEST_GOAL_MS = 50.0, 0.5  # the goals bench/RESULTS.md checks
 GENERATE = "/inference/v1/generate"
 CHAT = "/v1/chat/completions"
 
 
+@dataclass(frozen=True)
+class ProxiedApi:
+    """A client API the decode engine serves itself and the sidecar serves through its legs: the
+    same request to both sides. ``request(ids, stream, i)``: one whose answer is the forced ``ids``."""
+
+    path: str
+    request: Callable[[list[int], bool, int], dict[str, Any]]
+
+
+APIS = {"chat": ProxiedApi(CHAT, short_chat), "messages": ProxiedApi("/v1/messages", short_message)}
+# kind: an API's name (batch) or with ``_stream``; ``generate``: render's GenerateRequest for a chat.
+KINDS = tuple(f"{api}{suffix}" for api in (*APIS, "generate") for suffix in ("", "_stream"))
+
+
 def bodies(ctx, sset, kind: str, count: int, tokens: int) -> tuple[str, list[dict]]:
     ids = plain_ids(tokens, ctx.tokenizer())
-    stream = kind.endswith("_stream")
-    chats = [short_chat(ids, stream, i) for i in range(count)]
-    if kind.startswith("chat"):
-        return CHAT, chats
+    api, stream = kind.removesuffix("_stream"), kind.endswith("_stream")
+    if api in APIS:
+        return APIS[api].path, [APIS[api].request(ids, stream, i) for i in range(count)]
     render = sset.url("render") + "/v1/chat/completions/render"
-    return GENERATE, [requests.post(render, json=c, timeout=60).json() for c in chats]
+    return GENERATE, [requests.post(render, json=short_chat(ids, stream, i), timeout=60).json() for i in range(count)]
 
 
 def timed(url: str, reqs: list[dict], concurrency: int, pid: int | None) -> tuple[list[Sample], float, float]:
@@ -206,17 +220,26 @@ def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
                                                for a, b in zip(d, s)])
             row["sidecar_cpu_ms_per_request"] = summary([1e3 * b["cpu"] / b["requests"] for b in s])
             table[kind][c] = row
-    chat = table["chat"]
-    lo, hi = min(chat), max(chat)
-    keys = {
-        f"proxy_added_p50_ms_c{lo}": chat[lo]["added_p50_ms"]["median"],
-        f"proxy_added_beyond_legs_p50_ms_c{lo}": chat[lo]["added_beyond_legs_p50_ms"]["median"],
-        f"proxy_added_p99_ms_c{hi}": chat[hi]["added_p99_ms"]["median"],
-        "sidecar_cpu_ms_per_request": chat[lo]["sidecar_cpu_ms_per_request"]["median"],
+    keys = {key: value for api in APIS for key, value in api_keys(table, api).items()}
+    keys.update({
         "sidecar_cpu_us_per_chunk": chunk_cost["us_per_chunk"]["median"],
         "sidecar_generate_cpu_us_per_chunk": chunk_cost["generate"]["us_per_chunk"]["median"],
         "relay_floor_cpu_us_per_chunk": chunk_cost["floor"]["us_per_chunk"]["median"],
-        f"proxy_throughput_ratio_c{hi}": chat[hi]["throughput_ratio"]["median"],
-        f"proxy_stream_throughput_ratio_c{hi}": table["chat_stream"][hi]["throughput_ratio"]["median"],
-    }
+    })
     return {"keys": keys, "table": table, "chunk_cost": chunk_cost}
+
+
+def api_keys(table: dict[str, dict[int, dict[str, Any]]], api: str) -> dict[str, float]:
+    """One API's headline keys (medians over rounds): chat's keep their names, which the goals
+    read (``benchmarks.goals``); another API's carry its name (``proxy_messages_added_p50_ms_c1``)."""
+    tag = "" if api == "chat" else f"{api}_"
+    rows = table[api]
+    lo, hi = min(rows), max(rows)
+    return {
+        f"proxy_{tag}added_p50_ms_c{lo}": rows[lo]["added_p50_ms"]["median"],
+        f"proxy_{tag}added_beyond_legs_p50_ms_c{lo}": rows[lo]["added_beyond_legs_p50_ms"]["median"],
+        f"proxy_{tag}added_p99_ms_c{hi}": rows[hi]["added_p99_ms"]["median"],
+        f"{tag}sidecar_cpu_ms_per_request": rows[lo]["sidecar_cpu_ms_per_request"]["median"],
+        f"proxy_{tag}throughput_ratio_c{hi}": rows[hi]["throughput_ratio"]["median"],
+        f"proxy_{tag}stream_throughput_ratio_c{hi}": table[f"{api}_stream"][hi]["throughput_ratio"]["median"],
+    }

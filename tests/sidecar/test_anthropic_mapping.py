@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
+from disagg_engine.testing.lanes import ALL_LANES, lane_env
 from disagg_sidecar.derender import anthropic
 from disagg_sidecar.plan import anthropic_request
 
@@ -78,11 +82,12 @@ def _vllm_chat_request(cls, body: dict[str, Any], merge: bool, effort: str) -> d
     return req.model_dump(mode="json", exclude_unset=True, exclude_none=True)
 
 
-def _ours_validated(body: dict[str, Any], merge: bool, effort: str) -> dict[str, Any]:
+def _ours_validated(body: dict[str, Any], merge: bool, effort: str, min_tokens: int = 0) -> dict[str, Any]:
     """Ours, read by vLLM's ChatCompletionRequest as the derender tier reads it."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    ours = anthropic_request.chat_request(body, merge_inline_system=merge, disabled_thinking_effort=effort)
+    ours = anthropic_request.chat_request(body, merge_inline_system=merge, disabled_thinking_effort=effort,
+                                          min_tokens=min_tokens)
     return ChatCompletionRequest.model_validate(ours).model_dump(mode="json", exclude_unset=True, exclude_none=True)
 
 
@@ -95,6 +100,66 @@ def test_the_chat_request_is_vllms(vllm_messages, case: str, merge: bool) -> Non
     for side in (want, got):  # vLLM names a tool_use block without id call_<time>: none here lack one
         side.pop("kv_transfer_params", None)  # never forwarded (only the connector sets them)
     assert got == want
+
+
+# Fields of newer releases only: an older release's model ignores them (and refuses a new
+# ``thinking`` type), on the coupled server and render alike.
+NEWER: dict[str, dict[str, Any]] = {
+    "thinking_between_tools": {**BASE, "thinking": {"type": "between_tools"}},  # 0.34
+    "min_tokens": {**BASE, "min_tokens": 3, "stop_sequences": ["a"]},  # 0.34
+}
+REFUSED_BEFORE = {"thinking_between_tools": "0.34"}  # case -> the first lane whose vLLM accepts it
+HONOURED_FROM = {"min_tokens": "0.34"}  # case -> the first lane whose vLLM reads its field
+_TO_CHAT = """
+import json, sys
+from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
+from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+out = {}
+for name, (body, merge) in json.loads(sys.argv[1]).items():
+    model = AnthropicMessagesRequest if "max_tokens" in body else AnthropicCountTokensRequest
+    try:
+        request = model.model_validate(body)
+    except ValueError:
+        out[name] = None
+        continue
+    chat = AnthropicServingMessages.to_chat_completion_request(request, merge_inline_system=merge,
+                                                               disabled_thinking_effort="low")
+    out[name] = chat.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+print("CHAT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("lane", ALL_LANES)
+def test_the_chat_request_is_each_lanes_vllms(lane: str) -> None:
+    """The mapping against ``to_chat_completion_request`` of each lane's vLLM (in a process that
+    runs it), with the fields only newer releases have: one that a lane's vLLM ignores changes
+    nothing there, one it honours is vLLM's mapping. ``min_tokens`` comes from render's answer
+    (``chat_request_as_rendered``): here the lane's vLLM says what render applies."""
+    cases = {f"{name}-{merge}": (body, merge) for name, body in {**REQUESTS, **NEWER}.items()
+             for merge in (False, True)}
+    out = subprocess.run([sys.executable, "-c", _TO_CHAT, json.dumps(cases)], env={**os.environ, **lane_env(lane)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("CHAT ")]
+    want_all = json.loads(line.removeprefix("CHAT "))
+    order = list(ALL_LANES)
+    for key, (body, merge) in cases.items():
+        name = key.rsplit("-", 1)[0]
+        want = want_all[key]
+        first = REFUSED_BEFORE.get(name)
+        assert (want is None) == (first is not None and order.index(lane) < order.index(first)), key
+        if want is None:
+            continue
+        since = HONOURED_FROM.get(name)
+        applied = want.get("min_tokens", 0)
+        assert (applied != 0) == (since is not None and order.index(lane) >= order.index(since)), key
+        got = _ours_validated(json.loads(json.dumps(body)), merge, "low", min_tokens=applied)
+        for side in (want, got):
+            side.pop("kv_transfer_params", None)
+            if side.get("min_tokens") == 0:  # 0.34 sets the default explicitly: the same request
+                del side["min_tokens"]
+        assert got == want, key
 
 
 def _chat_response(message: dict[str, Any], finish: str, stop: Any = None, details: Any = None) -> dict[str, Any]:
@@ -230,3 +295,18 @@ def test_openai_errors_become_anthropics_object_as_vllm_translates_them() -> Non
     # already Anthropic's: kept
     mine = json.dumps(want).encode()
     assert anthropic.error_from_bytes(mine, 400) == mine
+
+
+@pytest.mark.parametrize("body, gen, min_tokens, effort", [
+    # vLLM 0.34's render applied the client's min_tokens: the derender tier must see it too
+    ({**BASE, "min_tokens": 3}, {"sampling_params": {"min_tokens": 3}}, 3, None),
+    # an older render ignored it (not in its model): so does the parser context
+    ({**BASE, "min_tokens": 3}, {"sampling_params": {"max_tokens": 50}}, None, None),
+    ({**BASE, "thinking": {"type": "disabled"}},
+     {"sampling_params": {}, "reasoning_parser_kwargs": {"chat_template_kwargs": {"reasoning_effort": "low"}}},
+     None, "low"),
+    ({**BASE, "thinking": {"type": "between_tools"}}, {"sampling_params": None}, None, "none"),
+])
+def test_the_chat_request_takes_what_render_applied(body, gen, min_tokens, effort) -> None:
+    chat = anthropic_request.chat_request_as_rendered(body, gen)
+    assert chat.get("min_tokens") == min_tokens and chat.get("reasoning_effort") == effort

@@ -170,6 +170,21 @@ def test_a_stream_that_fails_after_the_first_byte_ends_with_an_error_event(
     assert "Traceback" not in error["error"]["message"]
 
 
+@pytest.mark.parametrize(("name", "value"), [("kv_transfer_params", {"remote_host": "10.0.0.1"}),
+                                           ("ec_transfer_params", {}), ("mm_payload", "none"),
+                                           ("return_mm_kwargs", False)])
+def test_a_refused_option_is_named_in_anthropics_object_and_not_forwarded(engine: FakeEngine, name: str,
+                                                                         value: object) -> None:
+    """``plan/options.py``'s refusals for Messages, through the app: a 400 naming the field, in
+    Anthropic's object, before any leg."""
+    with run_sidecar(fake_config(engine)) as sidecar:
+        before = len(engine.posts())
+        for stream in (False, True):
+            resp = _post(sidecar.url, {**VALID, "stream": stream, name: value})
+            assert resp.status_code == 400 and _error_of(resp)["message"].startswith(f"{name} is not supported")
+        assert len(engine.posts()) == before
+
+
 def test_leg_seconds_name_the_api(two_engines: tuple[FakeEngine, FakeEngine]) -> None:
     """``disagg_sidecar_leg_seconds{leg, api}``: each leg timed under the API its request came in on."""
     tiers, decode = two_engines

@@ -78,6 +78,7 @@ CASES: dict[str, Case] = {
     "no_parallel_tool_use": _case("tool_call", tool_choice={"type": "auto", "disable_parallel_tool_use": True}),
     "multi_turn_with_a_tool_result": lambda f, stream: {
         **messages_body(f, "reasoning_tool_call", stream), "messages": TOOL_TURNS},
+    "metadata": _case("plain", metadata={"user_id": "client-1"}),  # vLLM reads nothing of it
 }
 
 
@@ -167,6 +168,44 @@ def test_messages_matrix(lane_set, forcer, lane_inline_sidecar, lane_chained_sid
         assert view(answer) == want, path
         if stream:
             check_tool_ids_match(answer)
+
+
+# Fields only newer releases have (plan/options.py places them): vLLM 0.34's ``min_tokens`` (the
+# stop sequence in "The capital" is unchecked for the first three tokens) and ``thinking:
+# between_tools`` (thinking off up front). An older release ignores the one and refuses the other,
+# coupled and render alike.
+NEWER: dict[str, Case] = {
+    "min_tokens": _case("plain", stop_sequences=["a"], min_tokens=3),
+    "thinking_between_tools": _case("plain", chat_template_kwargs=None, thinking={"type": "between_tools"}),
+}
+
+
+def _answer(url: str, body: dict[str, Any], request_id: str) -> tuple[int, Any]:
+    """(status, the answer's view, or the error's message when refused)."""
+    resp = requests.post(url + MESSAGES, json=body, headers={"X-Request-Id": request_id},
+                         stream=bool(body.get("stream")), timeout=120)
+    if resp.status_code != 200:  # coupled's in OpenAI's or Anthropic's shape, the sidecar's Anthropic's
+        return resp.status_code, resp.json()["error"]["message"]
+    if not body.get("stream"):
+        return 200, message_view(resp.json())
+    return 200, stream_view(list(anthropic_events(resp.iter_lines())))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])
+@pytest.mark.parametrize("case", list(NEWER))
+def test_fields_of_newer_releases_are_answered_as_coupled(lane_set, forcer, lane_inline_sidecar,
+                                                          lane_chained_sidecar, case: str, stream: bool) -> None:
+    body = NEWER[case](forcer, stream)
+    request_id = f"newer-{case}-{int(stream)}"
+    want = _answer(lane_set.url("coupled"), body, request_id)
+    honoured = tuple(int(x) for x in lane_set.vllm_lane.split(".")) >= (0, 34)
+    if case == "thinking_between_tools":
+        assert (want[0] == 200) is honoured, want
+    else:  # the row exercises the field where vLLM has it: the answer runs past the early stop
+        without = _answer(lane_set.url("coupled"), {k: v for k, v in body.items() if k != "min_tokens"}, request_id)
+        assert want[0] == without[0] == 200 and (want != without) is honoured
+    for path, sidecar in (("inline", lane_inline_sidecar), ("chained", lane_chained_sidecar)):
+        assert _answer(sidecar.url, body, request_id) == want, path
 
 
 def test_the_matrix_covers_every_stop_reason_and_block(lane_set, forcer, lane_inline_sidecar) -> None:

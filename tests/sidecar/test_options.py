@@ -1,6 +1,7 @@
 """Every request option coupled vLLM accepts is carried to the leg that honours it or refused
-with a 400 naming it (``plan/options.py``), checked against vLLM's own request models on every
-lane: a field a new vLLM release adds fails here until the sidecar places it."""
+with a 400 naming it (``plan/options.py``; on the Messages paths in Anthropic's error object),
+checked against vLLM's own request models on every lane: a field a new vLLM release adds fails
+here until the sidecar places it."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ import sys
 import pytest
 
 from disagg_engine.testing.lanes import ALL_LANES, lane_env
+from disagg_sidecar import wire
+from disagg_sidecar.derender import anthropic
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.plan import options
-from disagg_sidecar.plan.decisions import check_openai_request
+from disagg_sidecar.plan import anthropic_request, options
+from disagg_sidecar.plan.decisions import check_messages_request, check_openai_request
 
 # vLLM's request models, named by the API the sidecar serves them on; the fields a client may
 # send are their pydantic fields (by name and by alias).
 MODELS = {"chat": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
-          "completions": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest")}
+          "completions": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+          "messages": ("vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest"),
+          "count_tokens": ("vllm.entrypoints.anthropic.protocol", "AnthropicCountTokensRequest")}
+# Fields each model has on every lane (the models were found and read).
+CORE = {"chat": {"model", "stream", "n"}, "completions": {"model", "stream", "n"},
+        "messages": {"model", "messages", "max_tokens", "stream"}, "count_tokens": {"model", "messages"}}
 _LIST_FIELDS = """
 import importlib, json, sys
 models = json.loads(sys.argv[1])
@@ -45,14 +53,13 @@ def vllm_request_fields(lane: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("lane", ALL_LANES)  # 0.34 too: a new field cannot slip in there either
 def test_every_vllm_request_field_is_carried_or_refused(lane: str) -> None:
     fields = vllm_request_fields(lane)
-    assert set(fields) == set(MODELS)
+    assert set(fields) == set(MODELS) == set(options.CARRIED) == set(options.REFUSED)
     for api, names in fields.items():
         carried, refused = set(options.CARRIED[api]), set(options.REFUSED[api])
         assert not carried & refused, api
         unplaced = sorted(set(names) - carried - refused)
         assert not unplaced, f"vLLM {lane} {api} fields neither carried nor refused: {unplaced}"
-        # the core fields are there at all (the models were found and read)
-        assert {"model", "stream", "n"} <= set(names)
+        assert CORE[api] <= set(names)
 
 
 def _refused_values(api: str) -> list[tuple[str, object]]:
@@ -75,6 +82,52 @@ def test_a_refused_field_that_asks_for_something_is_a_400_naming_it(api: str, na
     assert error["type"] == "BadRequestError"
     for off in options.REFUSED[api][name]:  # the values that ask for nothing pass
         check_openai_request(api, {**body, name: off})
+
+
+MESSAGES = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+MESSAGES_REFUSED = [("messages", n, v) for n, v in _refused_values("messages")]
+
+
+def test_the_messages_refusals_are_the_legs_own() -> None:
+    """What a Messages request may not carry: what no chat request through the legs may either
+    (a client's transfer params, render's emptied features)."""
+    assert set(options.REFUSED["messages"]) == {"kv_transfer_params", "ec_transfer_params", "mm_payload",
+                                                "return_mm_kwargs"}
+    assert options.REFUSED["messages"].items() <= options.REFUSED["chat"].items()
+    assert options.REFUSED["count_tokens"] == {}
+
+
+@pytest.mark.parametrize("api, name, value", MESSAGES_REFUSED)
+def test_a_refused_messages_field_is_a_400_in_anthropics_object_naming_it(api: str, name: str, value: object) -> None:
+    with pytest.raises(SidecarError) as err:
+        check_messages_request(api, {**MESSAGES, name: value})
+    assert err.value.status == 400
+    shaped = json.loads(anthropic.in_api_shape(wire.MESSAGES, 400, err.value.body))
+    assert shaped["type"] == "error" and set(shaped["error"]) == {"type", "message"}
+    assert shaped["error"]["message"].startswith(f"{name} is not supported")
+    for off in options.REFUSED[api][name]:  # the values that ask for nothing pass
+        check_messages_request(api, {**MESSAGES, name: off})
+
+
+@pytest.mark.parametrize("body", [
+    {**MESSAGES, "stream": True, "stop_sequences": ["x"], "top_k": 2, "metadata": {"user_id": "u"},
+     "thinking": {"type": "enabled", "budget_tokens": 1024}, "min_tokens": 0, "mm_payload": "tensors",
+     "tool_choice": {"type": "any"}, "output_config": {"effort": "low"}, "cache_salt": "s"},
+    {**MESSAGES, "min_tokens": 3, "return_mm_kwargs": True, "kv_transfer_params": None},
+])
+def test_carried_messages_fields_pass_the_check(body: dict) -> None:
+    check_messages_request("messages", body)
+    check_messages_request("count_tokens", body)  # count_tokens refuses nothing; vLLM's model reads its own
+
+
+def test_count_tokens_sends_render_exactly_its_carried_fields() -> None:
+    """``count_tokens`` carries to render what ``AnthropicCountTokensRequest`` reads, and nothing a
+    client sends beside it (coupled ignores the rest: stop sequences, sampling, transfer params)."""
+    body = {name: f"v-{name}" for name in options.CARRIED["count_tokens"]}
+    extra = {"stop_sequences": ["x"], "temperature": 0.5, "kv_transfer_params": {"remote_host": "evil"},
+             "vllm_xargs": {"a": 1}, "min_tokens": 4}
+    out = anthropic_request.count_render_body({**body, **extra})
+    assert out == {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
 
 
 @pytest.mark.parametrize("sampling, reads", [

@@ -187,7 +187,7 @@ class Flows:
     async def messages(self, request: web.Request, raw: bytes, body: dict[str, Any], plan: RequestPlan,
                        ctx: Context) -> web.StreamResponse:
         def as_chat(gen: dict[str, Any]) -> tuple[dict[str, Any], bytes, RequestPlan]:
-            chat = anthropic_request.chat_request(body, disabled_thinking_effort=anthropic_request.chat_effort(gen))
+            chat = anthropic_request.chat_request_as_rendered(body, gen)
             return chat, sse.dumps(chat), derived_chat(chat, self.capabilities(), self.config)
 
         c = await self._chat_legs(wire.MESSAGES_RENDER, raw, ctx, plan.n, as_chat)

@@ -15,6 +15,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from disagg_sidecar import wire
+from disagg_sidecar.plan import options
+
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request hash: vLLM drops it
 
 
@@ -131,13 +134,13 @@ _BASE = ("temperature", "top_p", "top_k", "watermarking", "cache_salt", "vllm_xa
 
 
 def chat_request(body: Mapping[str, Any], *, disabled_thinking_effort: str = "none",
-                 merge_inline_system: bool = False) -> dict[str, Any]:
+                 merge_inline_system: bool = False, min_tokens: int = 0) -> dict[str, Any]:
     """vLLM's ``to_chat_completion_request`` of a Messages request render has accepted.
 
     ``disabled_thinking_effort`` is what ``thinking: {"type": "disabled"}`` becomes (render's
     answer says which: ``chat_effort``); ``merge_inline_system`` moves inline system messages
     into the leading one as vLLM does for system-first templates (only message order differs,
-    which the parsers do not read)."""
+    which the parsers do not read); ``min_tokens`` is what render applied (``chat_request_as_rendered``)."""
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     parts: list[str] = []
@@ -162,6 +165,8 @@ def chat_request(body: Mapping[str, Any], *, disabled_thinking_effort: str = "no
         if body.get("stop_sequences") is not None:
             req["stop"] = body["stop_sequences"]
         req.update({k: body[k] for k in _BASE if body.get(k) is not None})
+        if min_tokens:
+            req["min_tokens"] = min_tokens
         if body.get("stream"):
             req["stream"] = True
             req["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -175,7 +180,7 @@ def chat_request(body: Mapping[str, Any], *, disabled_thinking_effort: str = "no
     if output.get("effort") is not None:
         req["reasoning_effort"] = output["effort"]
     thinking = body.get("thinking") or {}
-    if thinking.get("type") == "disabled":
+    if thinking.get("type") in ("disabled", "between_tools"):  # between_tools: vLLM 0.34, thinking off up front
         req["reasoning_effort"] = disabled_thinking_effort
     elif thinking.get("type") == "enabled":
         req["thinking_token_budget"] = thinking["budget_tokens"]
@@ -192,6 +197,18 @@ def chat_request(body: Mapping[str, Any], *, disabled_thinking_effort: str = "no
     return req
 
 
+def chat_request_as_rendered(body: Mapping[str, Any], gen: Mapping[str, Any]) -> dict[str, Any]:
+    """``chat_request`` with what render's answer ``gen`` says vLLM made of the request: the
+    disabled-thinking effort, and ``min_tokens`` (a Messages field from vLLM 0.34 on; an older
+    release ignores a client's). A derender tier reads ``min_tokens`` from the chat request: with
+    the stop token of a stop string, it cuts the text where the string matched after the first
+    ``min_tokens`` tokens."""
+    sampling = gen.get(wire.SAMPLING_PARAMS)
+    min_tokens = sampling.get("min_tokens") if isinstance(sampling, Mapping) else None
+    return chat_request(body, disabled_thinking_effort=chat_effort(gen),
+                        min_tokens=min_tokens if type(min_tokens) is int else 0)
+
+
 def chat_effort(rendered: Mapping[str, Any]) -> str:
     """The ``reasoning_effort`` render gave ``thinking: disabled`` (vLLM probes the template:
     ``none``, or ``low`` for models that cannot stop thinking), read from its parser kwargs."""
@@ -200,14 +217,11 @@ def chat_effort(rendered: Mapping[str, Any]) -> str:
     return effort if isinstance(effort, str) else "none"
 
 
-COUNT_FIELDS = ("model", "messages", "output_config", "system", "thinking", "tool_choice", "tools",
-                "chat_template_kwargs")
-
-
 def count_render_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A ``count_tokens`` request as a Messages request render accepts: only the fields vLLM's
-    ``AnthropicCountTokensRequest`` reads, one output token, and ``do_remote_decode`` so that
-    render skips the thinking-budget-below-max_tokens rule (which counts nothing)."""
-    out = {k: body[k] for k in COUNT_FIELDS if k in body}
+    ``AnthropicCountTokensRequest`` reads (``options.CARRIED``), one output token, and
+    ``do_remote_decode`` so that render skips the thinking-budget-below-max_tokens rule (which
+    counts nothing)."""
+    out = {k: body[k] for k in options.CARRIED["count_tokens"] if k in body}
     out.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     return out

@@ -141,13 +141,14 @@ def check_openai_request(api: Api, body: Any) -> int:
     return n
 
 
-def check_messages_request(body: Any) -> None:
-    """What the sidecar relies on of an Anthropic Messages request; render validates the rest
-    (vLLM's ``AnthropicMessagesRequest``)."""
+def check_messages_request(api: Literal["messages", "count_tokens"], body: Any) -> None:
+    """What the sidecar relies on of an Anthropic Messages (or ``count_tokens``) request, and the
+    options it refuses; render validates the rest (vLLM's ``AnthropicMessagesRequest``)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
         raise bad_request("stream must be a boolean", "stream")
+    options.check(api, body)
 
 
 # The Responses request fields that read vLLM's response store (``VLLM_ENABLE_RESPONSES_API_STORE``):

@@ -1,8 +1,10 @@
-"""Which request options the disaggregated path honours (pure): every field vLLM's
-``ChatCompletionRequest`` and ``CompletionRequest`` accept is either carried to the leg that
-honours it (``CARRIED``) or refused with a 400 naming it (``REFUSED``); none is dropped silently.
-``tests/sidecar/test_options.py`` checks both lists against vLLM's own request models on every lane,
-so a field a new vLLM release adds fails that test until it is placed here.
+"""Which request options the disaggregated path honours (pure): every field vLLM's request models
+accept (``ChatCompletionRequest``, ``CompletionRequest``, ``AnthropicMessagesRequest``,
+``AnthropicCountTokensRequest``) is either carried to the leg that honours it (``CARRIED``) or
+refused with a 400 naming it (``REFUSED``; on the Messages paths in Anthropic's error object,
+``anthropic.in_api_shape``); none is dropped silently. ``tests/sidecar/test_options.py`` checks
+both lists against vLLM's own request models on every lane, so a field a new vLLM release adds
+fails that test until it is placed here. An API is one more key of both dicts.
 
 Where a field is honoured:
 - ``render``: the chat template, tokenization and render's ``sampling_params``, which the
@@ -21,7 +23,7 @@ from typing import Any, Literal
 
 from disagg_sidecar.errors import bad_request
 
-Api = Literal["chat", "completions"]
+Api = Literal["chat", "completions", "messages", "count_tokens"]
 Leg = Literal["render", "decode", "parser", "sidecar", "ignored"]
 
 _SAMPLING: dict[str, Leg] = {
@@ -76,18 +78,41 @@ CARRIED: dict[Api, dict[str, Leg]] = {
         "suffix": "render",
         "echo": "sidecar",  # derender.echo, from the prompt text and the decode engine's prompt logprobs
     },
+    # vLLM answers Messages as the chat request ``to_chat_completion_request`` makes of it, which
+    # render makes too (``/v1/messages/render`` gets the client's body as received); the parsers
+    # read ``plan.anthropic_request.chat_request``'s mapping of the same fields.
+    "messages": {
+        **{name: "render" for name in (
+            "model", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "system", "cache_salt",
+            "watermarking", "vllm_xargs", "chat_template_kwargs",
+            "min_tokens",  # vLLM 0.34
+        )},
+        "messages": "render",  # and the parsers' context (earlier turns' tool calls and roles)
+        "output_config": "render",  # format: structured outputs; effort: the template and the parsers
+        "thinking": "render",  # the budget in sampling_params; disabled/between_tools: the template's effort
+        "tools": "parser",
+        "tool_choice": "parser",  # and disable_parallel_tool_use: chat's parallel_tool_calls
+        "stream": "decode",
+        "metadata": "ignored",  # vLLM reads nothing of it
+    },
+    # The rendered prompt's length: render alone (``anthropic_request.count_render_body``).
+    "count_tokens": {name: "render" for name in (
+        "model", "messages", "output_config", "system", "thinking", "tool_choice", "tools", "chat_template_kwargs")},
 }
 
 # field -> the values that ask for nothing (accepted as they are); any other value is refused.
 _OFF = (None, False)
-_REFUSED_COMMON: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": _OFF,  # the generate endpoint samples; beam search is the serving layer's
-    "logprob_token_ids": (None, []),  # coupled returns every listed id beside the top k; the chain cuts to k
+_REFUSED_LEGS: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (None,),  # the KV connector decides them: a client's name hosts engines connect to
     "ec_transfer_params": (None,),
-    "routed_experts_prompt_start": (None, 0),
     "mm_payload": (None, "tensors"),  # "none" empties render's features, which the decode leg reads
     "return_mm_kwargs": (None, True),
+}
+_REFUSED_COMMON: dict[str, tuple[Any, ...]] = {
+    **_REFUSED_LEGS,
+    "use_beam_search": _OFF,  # the generate endpoint samples; beam search is the serving layer's
+    "logprob_token_ids": (None, []),  # coupled returns every listed id beside the top k; the chain cuts to k
+    "routed_experts_prompt_start": (None, 0),
     "return_weight_versions": _OFF,  # vLLM 0.33: the engines' weight version is not in a leg's answer
 }
 REFUSED: dict[Api, dict[str, tuple[Any, ...]]] = {
@@ -102,6 +127,8 @@ REFUSED: dict[Api, dict[str, tuple[Any, ...]]] = {
         # completions logprobs come from /v1/completions/derender, which writes token text
         "return_tokens_as_token_ids": _OFF,
     },
+    "messages": dict(_REFUSED_LEGS),
+    "count_tokens": {},
 }
 
 

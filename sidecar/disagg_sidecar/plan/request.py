@@ -120,8 +120,8 @@ def plan_request(api: Api, body: Any, caps: Capabilities, config: SidecarConfig)
     vLLM's mapping derives from it after render gets its own plan (``derived_chat``)."""
     if api == "generate":
         n = decisions.check_generate_request(body)
-    elif api in ("messages", "count_tokens"):
-        decisions.check_messages_request(body)
+    elif api == "messages" or api == "count_tokens":
+        decisions.check_messages_request(api, body)
         n = 1
     elif api == "responses":
         decisions.check_responses_request(body)
