@@ -208,13 +208,18 @@ class _Sent:
         self._ids: dict[int, list[int]] = {}
 
     def before(self, ready: Mapping[str, Any], state: Any) -> list[int]:
-        """The ids sent before ``ready`` (none when ``state`` starts the choice)."""
+        """The ids sent before ``ready`` (none when ``state`` starts the choice); ``record`` extends them."""
         choices = ready.get("choices") or []
-        return self._ids.get(choices[0].get("index", 0), []) if choices and state is not None else []
+        if not choices:
+            return []
+        index = choices[0].get("index", 0)
+        if state is None:
+            self._ids[index] = []
+        return self._ids.setdefault(index, [])
 
     def record(self, ready: Mapping[str, Any], earlier: list[int]) -> None:
-        if choices := ready.get("choices"):
-            self._ids[choices[0].get("index", 0)] = [*earlier, *sent_ids(ready)]
+        """After the call: ``earlier`` (what ``before`` gave) extended in place, O(delta) per call."""
+        earlier.extend(sent_ids(ready))
 
 
 class ChatStream:
