@@ -12,7 +12,8 @@ Layers, each importing only those below it (an import-linter contract in pyproje
   ``poollegs`` (render, derender, prefill) > ``clientstream`` (the client's SSE stream) >
   ``context`` (per request) / ``failures`` (failed legs as the client sees them);
 - ``derender/``: ``chained`` (tokens answers made into the client's), ``sessions`` (derender
-  sessions), ``stream`` (per-chunk chained derender, coalescing), ``shapes`` / ``usage`` /
+  sessions), ``stream`` (per-chunk chained derender, coalescing), ``window`` (a stream's calls
+  answered by render pods of two releases), ``shapes`` / ``usage`` /
   ``fixes`` (the coupled response shapes), ``anthropic`` (the Messages API as vLLM maps it onto chat);
 - ``upstream/``: ``client`` (legs on the wire, retries, aborts), ``endpoints`` / ``affinity``
   (which endpoint), ``discovery`` / ``endpointslices`` / ``kubeapi`` (where they are), ``tls``,

@@ -4,13 +4,15 @@ requests while pods are replaced underneath it.
 Each worker (one by default) sends one request at a time (batch and streamed in turn) with the
 openai SDK and no retries: a request counts as failed unless it answers 200 with exactly the
 forced text and ``finish_reason: stop``. Every answer records when it was sent and the sidecar's
-``x-disagg-prefill`` outcome (remote, fallback, ...).
+``x-disagg-prefill`` outcome (remote, fallback, ...). A test with other requests and checks
+passes ``request`` (worker, number -> prefill outcome, error or None; raising counts as failed).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,7 @@ class RequestStream:
     workers: int = 1  # one request always in flight; more would only slow the engines starting beside it
     max_requests: int = 5000
     max_seconds: float = 1200.0
+    request: Callable[[int, int], tuple[str | None, str | None]] | None = None
     answers: list[Answer] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -90,8 +93,11 @@ class RequestStream:
             n += 1
             sent = time.monotonic()
             try:
-                prefill, text, finish = self._one(client, worker, n, stream=n % 2 == 0)
-                error = None if (text, finish) == (want, "stop") else f"answer {text!r} finish {finish!r}"
+                if self.request is not None:
+                    prefill, error = self.request(worker, n)
+                else:
+                    prefill, text, finish = self._one(client, worker, n, stream=n % 2 == 0)
+                    error = None if (text, finish) == (want, "stop") else f"answer {text!r} finish {finish!r}"
             except Exception as exc:  # noqa: BLE001 - every failure is what the stream counts
                 prefill, error = None, f"{type(exc).__name__}: {exc}"[:300]
             with self._lock:

@@ -68,6 +68,13 @@ def test_what_changes_the_kv_revision(change: dict[str, Any], pairs_anew: bool) 
     assert (before.kv_revision != after.kv_revision) is pairs_anew
 
 
+def test_a_vllm_release_upgrade_pairs_anew() -> None:
+    """0.33 -> 0.34 (tests/sidecar/test_rollout.py): a decode pod of either release prefills only
+    with prefill pods of its own (their KV layout and connector code are the release's)."""
+    old, new = (plan_of(merged(full_spec(), {"engine": {"vllmVersion": v}})) for v in ("0.33.0", "0.34.0"))
+    assert old.kv_revision != new.kv_revision
+
+
 def test_without_a_prefill_pool_there_is_no_revision_service() -> None:
     plan = plan_of(merged(full_spec(), {"pools": {"prefill": {"replicas": 0}}}))
     assert plan.kv_revision is None

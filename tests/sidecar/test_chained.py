@@ -225,28 +225,3 @@ def test_completions_ask_the_engine_for_one_candidate_more_while_the_engines_all
     assert headroom(twenty, -1)["sampling_params"]["logprobs"] == 21
     assert headroom({**gen, "sampling_params": {"logprobs": -1}}, 21)["sampling_params"]["logprobs"] == -1
     assert "logprobs" not in headroom({"sampling_params": {"max_tokens": 5}}, 21)["sampling_params"]
-
-
-def _window_tier(answers: list[dict]):
-    calls: list[bytes] = []
-
-    async def tier(leg_name: str, path: str, body: bytes, kind: str) -> dict:
-        calls.append(body)
-        return answers[len(calls) - 1]
-    return tier, calls
-
-
-def test_a_derender_answer_that_lost_the_window_is_asked_again_then_refused() -> None:
-    """Behind one Service, a 0.33 stream_state may reach a 0.34 render pod (a rolling upgrade), which
-    ignores its window: that answer is not streamed."""
-    leg = legs.DerenderLeg("completions", b'{"prompt":"x"}', [1, 2])
-    sent = {"prev_tokens": ["a", "b"], "prefix_offset": 0, "read_offset": 2}
-    good = {"chunk": {"choices": []}, "stream_state": {**sent, "prev_tokens": ["b", "c"]}}
-    lost = {"chunk": {"choices": []}, "stream_state": {"prev_token_ids": [7], "prefix_offset": 0, "read_offset": 1}}
-    tier, calls = _window_tier([lost, good])
-    assert asyncio.run(chained.stream_derender(tier, leg, {"choices": []}, sent)) == good and len(calls) == 2
-    tier, calls = _window_tier([lost] * chained.WINDOW_ATTEMPTS)
-    with pytest.raises(SidecarError) as refused:
-        asyncio.run(chained.stream_derender(tier, leg, {"choices": []}, sent))
-    assert refused.value.status == 502 and "stream's state" in refused.value.message
-    assert len(calls) == chained.WINDOW_ATTEMPTS and len(set(calls)) == 1  # the same request each time

@@ -24,7 +24,7 @@ What vLLM's derender endpoints leave out (checked on vLLM 0.32), and how it is p
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,13 +32,10 @@ from disagg_sidecar.plan import legs
 from disagg_sidecar.plan.request import Answer
 from disagg_sidecar.derender import shapes
 from disagg_sidecar import sse
-from disagg_sidecar import vllm_releases, wire
-from disagg_sidecar.errors import SidecarError
+from disagg_sidecar import wire
 from disagg_sidecar.derender.fixes import chat_tokens_as_ids, completion_candidates, trim_top_logprobs
 from disagg_sidecar.plan.stops import Stops, cut_by_stop_string, generate_for_derender, stop_cut
-
-# (tier, path, body, metrics kind) -> the tier's JSON answer; raises the sidecar's errors.
-TierCall = Callable[[str, str, bytes, str], Awaitable[Any]]
+from disagg_sidecar.derender.window import TierCall, sent_ids, stream_derender
 
 EMPTY_PROBE = "\U0010FFFD"  # a private-use character: no tokenizer has it as one token
 LOGPROB_CONTEXT = 4  # sampled ids vLLM's repair of byte-fallback logprob tokens looks back at
@@ -204,6 +201,28 @@ class StreamCall(Protocol):
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]: ...
 
 
+class _Sent:
+    """The ids each choice of a stream sent to the derender tier so far: what ``window`` replays
+    when a render pod of another release answered without the stream's decode window."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, list[int]] = {}
+
+    def before(self, ready: Mapping[str, Any], state: Any) -> list[int]:
+        """The ids sent before ``ready`` (none when ``state`` starts the choice); ``record`` extends them."""
+        choices = ready.get("choices") or []
+        if not choices:
+            return []
+        index = choices[0].get("index", 0)
+        if state is None:
+            self._ids[index] = []
+        return self._ids.setdefault(index, [])
+
+    def record(self, ready: Mapping[str, Any], earlier: list[int]) -> None:
+        """After the call: ``earlier`` (what ``before`` gave) extended in place, O(delta) per call."""
+        earlier.extend(sent_ids(ready))
+
+
 class ChatStream:
     """One streaming derender call per (merged) generate chunk, with what coupled adds to it."""
 
@@ -211,6 +230,7 @@ class ChatStream:
         self.leg, self.opts, self.tier, self.logprobs = leg, opts, tier, logprobs
         self.hold = opts.stops.hold
         self.call_bytes = leg.call_bytes * (2 if logprobs else 1)  # a logprobs call beside each chunk's
+        self.sent = _Sent()
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
         ready = chat_ready(chunk, self.opts)
@@ -224,9 +244,11 @@ class ChatStream:
         # Every entry, the stop token's too (coupled streams it), cut by ``chat_ready``.
         entries = ((choices[0].get("logprobs") if choices else None) or {}).get("content") if self.logprobs else None
         context = list((state or {}).get("output_token_ids") or [])[-LOGPROB_CONTEXT:]
+        earlier = self.sent.before(ready, state)
         derendered, resolved = await asyncio.gather(
-            stream_derender(self.tier, self.leg, ready, state),
+            stream_derender(self.tier, self.leg, ready, state, earlier),
             self._resolve(entries, context) if entries and not self.opts.hide_metadata else _none())
+        self.sent.record(ready, earlier)
         out = derendered["chunk"]
         for c in out.get("choices") or []:
             c["finish_reason"] = stream_finish_reason(c.get("finish_reason"), gen_choice.get("finish_reason"))
@@ -254,10 +276,13 @@ class CompletionStream:
         self.leg, self.opts, self.tier = leg, opts, tier
         self.hold = opts.stops.hold
         self.call_bytes = leg.call_bytes
+        self.sent = _Sent()
 
     async def __call__(self, chunk: Mapping[str, Any], state: Any) -> tuple[dict[str, Any], Any]:
         ready = generate_for_derender(completion_candidates(chunk, self.opts.completion_logprobs), self.opts.stops.include)
-        data = await stream_derender(self.tier, self.leg, ready, state)
+        earlier = self.sent.before(ready, state)
+        data = await stream_derender(self.tier, self.leg, ready, state, earlier)
+        self.sent.record(ready, earlier)
         out = data["chunk"]
         gen_choice = (chunk.get("choices") or [{}])[0]
         for c in out.get("choices") or []:
@@ -271,21 +296,3 @@ class CompletionStream:
 
 async def _none() -> None:
     return None
-
-
-# Calls that may reach another render pod of the same Service (a rolling upgrade).
-WINDOW_ATTEMPTS = 3
-
-
-async def stream_derender(tier: TierCall, leg: legs.DerenderLeg, ready: Mapping[str, Any], state: Any) -> Any:
-    """One streaming derender call whose answer read ``state``'s decode window: a render pod of a
-    release that keeps it under another key (``vllm_releases.window_lost``) answered without it, so
-    the call is made again (a new connection may reach another pod), and refused after that rather
-    than streaming text decoded without its window."""
-    body = leg.stream(ready, state)
-    for _ in range(WINDOW_ATTEMPTS):
-        data = await tier("derender", leg.path, body, "stream")
-        if not vllm_releases.window_lost(state, data.get("stream_state") if isinstance(data, dict) else None):
-            return data
-    raise SidecarError(502, "the derender tier answered from a vLLM release that reads this stream's state "
-                            "differently (render pods of two releases behind one Service)", type_="BadGatewayError")

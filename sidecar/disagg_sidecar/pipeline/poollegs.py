@@ -85,9 +85,10 @@ class PoolLegs:
             if tier == "render":
                 return await self.call("render", path, body, ctx, _tokenized)
             self.metrics.derender_calls.labels(kind).inc()
-            check = (lambda a: answers.derendered_chunk(a, bound)) if kind == "stream" else \
+            streamed = kind in ("stream", "replay")  # replay: derender.window
+            check = (lambda a: answers.derendered_chunk(a, bound)) if streamed else \
                 (lambda a: answers.derendered(a, bound))
-            return await self.call("derender", path, body, ctx, check, keep=kind != "stream")
+            return await self.call("derender", path, body, ctx, check, keep=not streamed)
         return call
 
     async def prefill(self, gen: Mapping[str, Any], ctx: Context) -> Prefilled:
