@@ -17,17 +17,19 @@ from disagg_sidecar import wire
 from disagg_sidecar.derender import anthropic
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.plan import anthropic_request, options
-from disagg_sidecar.plan.decisions import check_messages_request, check_openai_request
+from disagg_sidecar.plan.decisions import check_messages_request, check_openai_request, check_responses_request
 
 # vLLM's request models, named by the API the sidecar serves them on; the fields a client may
 # send are their pydantic fields (by name and by alias).
 MODELS = {"chat": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
           "completions": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
           "messages": ("vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest"),
-          "count_tokens": ("vllm.entrypoints.anthropic.protocol", "AnthropicCountTokensRequest")}
+          "count_tokens": ("vllm.entrypoints.anthropic.protocol", "AnthropicCountTokensRequest"),
+          "responses": ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest")}
 # Fields each model has on every lane (the models were found and read).
 CORE = {"chat": {"model", "stream", "n"}, "completions": {"model", "stream", "n"},
-        "messages": {"model", "messages", "max_tokens", "stream"}, "count_tokens": {"model", "messages"}}
+        "messages": {"model", "messages", "max_tokens", "stream"}, "count_tokens": {"model", "messages"},
+        "responses": {"model", "input", "stream", "max_output_tokens"}}
 _LIST_FIELDS = """
 import importlib, json, sys
 models = json.loads(sys.argv[1])
@@ -95,6 +97,20 @@ def test_the_messages_refusals_are_the_legs_own() -> None:
                                                 "return_mm_kwargs"}
     assert options.REFUSED["messages"].items() <= options.REFUSED["chat"].items()
     assert options.REFUSED["count_tokens"] == {}
+
+
+@pytest.mark.parametrize("name, value", _refused_values("responses"))
+def test_a_refused_responses_field_is_a_400_naming_it(name: str, value: object) -> None:
+    """The legs' own refusals (a client's transfer params, render's emptied features for the prefill
+    leg); every other field reaches the decode engine's own Responses code as the client sent it."""
+    assert options.REFUSED["responses"] == options.REFUSED["messages"]
+    body = {"model": "m", "input": "Hi"}
+    with pytest.raises(SidecarError) as err:
+        check_responses_request({**body, name: value})
+    error = json.loads(err.value.body)["error"]
+    assert err.value.status == 400 and error["param"] == name and name in error["message"]
+    for off in options.REFUSED["responses"][name]:  # the values that ask for nothing pass
+        check_responses_request({**body, name: off})
 
 
 @pytest.mark.parametrize("api, name, value", MESSAGES_REFUSED)

@@ -77,13 +77,16 @@ def _config(tiers: FakeEngine, decode: FakeEngine, **overrides) -> dict:
 
 def test_legs_and_what_the_decode_engine_gets(two_engines: tuple[FakeEngine, FakeEngine]) -> None:
     """Render, prefill, then the client's request on decode's ``/v1/responses``, without the
-    client's kv_transfer_params; the answer as decode gave it (cached tokens unchanged: the
-    ExampleConnector reports no prefill cache hits)."""
+    kv_transfer_params a client put into ``vllm_xargs`` (top level: refused, as on every API); the
+    answer as decode gave it (cached tokens unchanged: the ExampleConnector reports no prefill cache hits)."""
     tiers, decode = two_engines
     decode.answer[wire.RESPONSES] = (200, json.dumps(RESPONSE).encode())
-    body = {**VALID, "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.9"},
-            "vllm_xargs": {"kv_transfer_params": "x", "keep": 1}}
+    body = {**VALID, "vllm_xargs": {"kv_transfer_params": "x", "keep": 1}}
     with run_sidecar(_config(tiers, decode)) as sidecar:
+        refused = requests.post(sidecar.url + wire.RESPONSES, timeout=30,
+                                json={**body, "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.9"}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params"
+        assert tiers.posts() == [] and decode.posts() == []
         resp = requests.post(sidecar.url + wire.RESPONSES, json=body, timeout=30)
         assert resp.status_code == 200 and resp.json() == RESPONSE
         assert resp.headers[wire.PREFILL_OUTCOME] == "remote"

@@ -164,6 +164,7 @@ def check_responses_request(body: Any) -> None:
         raise bad_request("the request body must be a JSON object")
     if "stream" in body and not isinstance(body["stream"], (bool, type(None))):
         raise bad_request("stream must be a boolean", "stream")
+    options.check("responses", body)
 
 
 ResponsesRoute = Literal["tiers", "decode"]

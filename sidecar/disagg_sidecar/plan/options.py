@@ -1,6 +1,6 @@
 """Which request options the disaggregated path honours (pure): every field vLLM's request models
 accept (``ChatCompletionRequest``, ``CompletionRequest``, ``AnthropicMessagesRequest``,
-``AnthropicCountTokensRequest``) is either carried to the leg that honours it (``CARRIED``) or
+``AnthropicCountTokensRequest``, ``ResponsesRequest``) is either carried to the leg that honours it (``CARRIED``) or
 refused with a 400 naming it (``REFUSED``; on the Messages paths in Anthropic's error object,
 ``anthropic.in_api_shape``); none is dropped silently. ``tests/sidecar/test_options.py`` checks
 both lists against vLLM's own request models on every lane, so a field a new vLLM release adds
@@ -9,7 +9,8 @@ fails that test until it is placed here. An API is one more key of both dicts.
 Where a field is honoured:
 - ``render``: the chat template, tokenization and render's ``sampling_params``, which the
   prefill and decode legs apply (``legs``);
-- ``decode``: the decode leg itself (stream, logprobs, token ids);
+- ``decode``: the decode leg itself (stream, logprobs, token ids); for Responses, the decode
+  engine's own Responses code, which gets the client's request;
 - ``parser``: the decode engine's inline derender, else the derender tier (``derender/``);
 - ``sidecar``: the answer's shape (``derender/shapes``, ``derender/chained``, ``derender/fixes``);
 - ``ignored``: coupled vLLM reads nothing of it into the answer either (a scheduling hint, or
@@ -23,7 +24,7 @@ from typing import Any, Literal
 
 from disagg_sidecar.errors import bad_request
 
-Api = Literal["chat", "completions", "messages", "count_tokens"]
+Api = Literal["chat", "completions", "messages", "count_tokens", "responses"]
 Leg = Literal["render", "decode", "parser", "sidecar", "ignored"]
 
 _SAMPLING: dict[str, Leg] = {
@@ -98,6 +99,21 @@ CARRIED: dict[Api, dict[str, Leg]] = {
     # The rendered prompt's length: render alone (``anthropic_request.count_render_body``).
     "count_tokens": {name: "render" for name in (
         "model", "messages", "output_config", "system", "thinking", "tool_choice", "tools", "chat_template_kwargs")},
+    # The decode engine's own Responses code answers the client's request as it came (``Flows.responses``;
+    # render renders the same fields for the prefill leg's tokens, which the decode engine renders again).
+    "responses": {name: "decode" for name in (
+        "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_tool_calls",
+        "max_output_tokens", "reasoning", "include", "include_reasoning", "text", "top_logprobs", "stream",
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "structured_outputs", "skip_special_tokens",
+        "spaces_between_special_tokens", "include_stop_str_in_output", "thinking_token_budget", "vllm_xargs",
+        "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs", "cache_salt", "priority", "watermarking",
+        "request_id", "user", "metadata", "service_tier", "truncation", "prompt", "prompt_cache_key",
+        "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "session_id", "enable_response_messages",
+        "previous_input_messages",
+        # vLLM's response store: the decode engine alone answers these (``decisions.responses_route``)
+        "store", "background", "previous_response_id",
+    )},
 }
 
 # field -> the values that ask for nothing (accepted as they are); any other value is refused.
@@ -129,6 +145,7 @@ REFUSED: dict[Api, dict[str, tuple[Any, ...]]] = {
     },
     "messages": dict(_REFUSED_LEGS),
     "count_tokens": {},
+    "responses": dict(_REFUSED_LEGS),  # mm_payload "none": the prefill leg's features would be empty
 }
 
 
