@@ -55,3 +55,9 @@ def short_message(ids: list[int], stream: bool, i: int = 0) -> dict[str, Any]:
     """``short_chat`` as an Anthropic Messages request (thinking off the same way)."""
     return {"model": SERVED, "messages": [{"role": "user", "content": f"Say something short ({i})."}],
             "max_tokens": len(ids) + 8, "vllm_xargs": {"forced_token_ids": ids}, "stream": stream, **NO_THINKING}
+
+
+def short_response(ids: list[int], stream: bool, i: int = 0) -> dict[str, Any]:
+    """``short_chat`` as an OpenAI Responses request (thinking off the same way)."""
+    return {"model": SERVED, "input": f"Say something short ({i}).", "max_output_tokens": len(ids) + 8,
+            "vllm_xargs": {"forced_token_ids": ids}, "stream": stream, **NO_THINKING}

@@ -1,6 +1,7 @@
 """Part 1, proxy overhead: the same short requests straight to the decode engine and through the
 sidecar in front of it (prefill local, so only the proxy differs; a chat or Messages request
-through the sidecar also takes its render leg), per API (``APIS``: chat, Anthropic Messages) and
+through the sidecar also takes its render leg), per API (``APIS``: chat, Anthropic Messages, OpenAI
+Responses) and
 generate, batch and streamed, at several concurrencies.
 
 Per side, kind and concurrency: latency p50/p99, TTFT, inter-chunk time, throughput, and the
@@ -22,7 +23,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.client import Sample, run_load
-from benchmarks.outputs import plain_ids, short_chat, short_message
+from benchmarks.outputs import plain_ids, short_chat, short_message, short_response
 from benchmarks.procs import cpu_seconds
 from benchmarks.profile import profile
 from benchmarks.stack import sidecar, sidecar_config
@@ -45,7 +46,8 @@ class ProxiedApi:
     request: Callable[[list[int], bool, int], dict[str, Any]]
 
 
-APIS = {"chat": ProxiedApi(CHAT, short_chat), "messages": ProxiedApi("/v1/messages", short_message)}
+APIS = {"chat": ProxiedApi(CHAT, short_chat), "messages": ProxiedApi("/v1/messages", short_message),
+        "responses": ProxiedApi("/v1/responses", short_response)}
 # kind: an API's name (batch) or with ``_stream``; ``generate``: render's GenerateRequest for a chat.
 KINDS = tuple(f"{api}{suffix}" for api in (*APIS, "generate") for suffix in ("", "_stream"))
 

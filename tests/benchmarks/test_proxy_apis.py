@@ -12,13 +12,15 @@ from benchmarks.stats import summary
 
 
 def test_every_api_has_a_batch_and_a_stream_kind_and_generate_stays() -> None:
-    assert set(proxy.APIS) == {"chat", "messages"}
-    assert proxy.KINDS == ("chat", "chat_stream", "messages", "messages_stream", "generate", "generate_stream")
+    assert set(proxy.APIS) == {"chat", "messages", "responses"}
+    assert proxy.KINDS == ("chat", "chat_stream", "messages", "messages_stream", "responses", "responses_stream",
+                           "generate", "generate_stream")
 
 
 @pytest.mark.parametrize("api, model", [
     ("chat", ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest")),
     ("messages", ("vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest")),
+    ("responses", ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest")),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_apis_requests_are_its_vllm_models_and_force_the_same_answer(api: str, model: tuple[str, str],
@@ -31,9 +33,10 @@ def test_an_apis_requests_are_its_vllm_models_and_force_the_same_answer(api: str
     for body in requests_:
         parsed = cls.model_validate(body)
         assert parsed.vllm_xargs == {"forced_token_ids": ids} and bool(parsed.stream) is stream
-        assert parsed.max_tokens >= len(ids)
+        assert (parsed.max_output_tokens if api == "responses" else parsed.max_tokens) >= len(ids)
         assert parsed.chat_template_kwargs == {"enable_thinking": False}  # a plain answer, not reasoning
-    assert len({str(b["messages"]) for b in requests_}) == 3  # no two prompts alike (no prefix-cache hits)
+    prompts = {str(b.get("messages", b.get("input"))) for b in requests_}
+    assert len(prompts) == 3  # no two prompts alike (no prefix-cache hits)
 
 
 def _run(direct_s: float, sidecar_s: float, render_ms: float) -> tuple[dict, dict]:
@@ -44,7 +47,7 @@ def _run(direct_s: float, sidecar_s: float, render_ms: float) -> tuple[dict, dic
 
 
 def test_each_api_gets_its_rows_and_keys_beside_chats() -> None:
-    added_ms = {"chat": 3.0, "messages": 5.0, "generate": 1.0}  # the sidecar's added latency per API
+    added_ms = {"chat": 3.0, "messages": 5.0, "responses": 4.0, "generate": 1.0}  # the sidecar's added latency per API
     raw = {}
     for kind in proxy.KINDS:
         api = kind.removesuffix("_stream")
@@ -62,6 +65,7 @@ def test_each_api_gets_its_rows_and_keys_beside_chats() -> None:
     assert keys["proxy_added_beyond_legs_p50_ms_c1"] == pytest.approx(1.0)  # 3 ms minus the 2 ms render leg
     assert keys["proxy_messages_added_p50_ms_c1"] == pytest.approx(5.0)
     assert keys["proxy_messages_added_beyond_legs_p50_ms_c1"] == pytest.approx(3.0)
+    assert keys["proxy_responses_added_p50_ms_c1"] == pytest.approx(4.0)
     assert keys["messages_sidecar_cpu_ms_per_request"] == keys["sidecar_cpu_ms_per_request"] == pytest.approx(1.0)
     # throughput: 4 requests in 4 latencies on each side
     assert keys["proxy_messages_throughput_ratio_c16"] == pytest.approx(10.0 / 15.0)
