@@ -220,3 +220,13 @@ def gzip_bomb(mib: int) -> bytes:
     header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
     trailer = crc.to_bytes(4, "little") + (mib * MiB % 2**32).to_bytes(4, "little")
     return header + block * mib + deflate.flush() + trailer
+
+
+def corpus_on(path: str) -> list[tuple[str, bytes]]:
+    """The corpus's requests to the OpenAI API paths, sent to ``path`` instead (another API's)."""
+    cases = []
+    for name, data in issue_cases() + generated_cases():
+        for api in (b"/v1/chat/completions", b"/v1/completions"):
+            if data.startswith(b"POST " + api + b" "):
+                cases.append((name, b"POST " + path.encode() + data[len(b"POST ") + len(api):]))
+    return cases

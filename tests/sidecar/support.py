@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -404,3 +404,29 @@ def sidecar_process(config: dict[str, Any], tmp_path: Path) -> Iterator[SidecarP
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+def named_events(lines: Iterable[bytes]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A named-event stream's (event, data) pairs (the Messages and Responses APIs); every event's
+    name is its data's type."""
+    name = None
+    for raw in lines:
+        line = raw.decode()
+        if line.startswith("event:"):
+            name = line[len("event:"):].strip()
+        elif line.startswith("data:"):
+            data = json.loads(line[len("data:"):])
+            assert name == data["type"], (name, data)
+            yield name, data
+            name = None
+
+
+def post_named(url: str, body: dict[str, Any], request_id: str) -> Any:
+    """A 200 answer of a named-event API at ``url`` (the server and the path): the JSON, or the
+    stream's (event, data) pairs."""
+    resp = requests.post(url, json=body, headers={"X-Request-Id": request_id}, stream=bool(body.get("stream")),
+                         timeout=120)
+    assert resp.status_code == 200, resp.text[:1000]
+    if not body.get("stream"):
+        return resp.json()
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    return list(named_events(resp.iter_lines()))

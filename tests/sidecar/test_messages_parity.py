@@ -19,7 +19,8 @@ import requests
 from disagg_engine.testing.lanes import PARITY_LANES
 from tests.harness.forced import OUTPUTS, Forcer
 from tests.harness.overlap import in_background
-from tests.sidecar.support import GENERATED, SERVED, check_engine_stopped, engine_metric, long_body, wait_for
+from tests.sidecar.support import (GENERATED, SERVED, check_engine_stopped, engine_metric, long_body, named_events,
+                                   post_named, wait_for)
 
 pytestmark = [pytest.mark.engine, pytest.mark.parity,
               pytest.mark.parametrize("lane_set", PARITY_LANES, indirect=True)]
@@ -83,27 +84,7 @@ CASES: dict[str, Case] = {
 
 
 def post(url: str, body: dict[str, Any], request_id: str) -> Any:
-    resp = requests.post(url + MESSAGES, json=body, headers={"X-Request-Id": request_id},
-                         stream=bool(body.get("stream")), timeout=120)
-    assert resp.status_code == 200, resp.text[:1000]
-    if not body.get("stream"):
-        return resp.json()
-    assert resp.headers["Content-Type"].startswith("text/event-stream")
-    return list(anthropic_events(resp.iter_lines()))
-
-
-def anthropic_events(lines: Iterable[bytes]) -> Iterable[tuple[str, dict[str, Any]]]:
-    """(event, data) pairs; every event's name is its data's type."""
-    name = None
-    for raw in lines:
-        line = raw.decode()
-        if line.startswith("event:"):
-            name = line[len("event:"):].strip()
-        elif line.startswith("data:"):
-            data = json.loads(line[len("data:"):])
-            assert name == data["type"], (name, data)
-            yield name, data
-            name = None
+    return post_named(url + MESSAGES, body, request_id)
 
 
 def _blocks_view(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -188,7 +169,7 @@ def _answer(url: str, body: dict[str, Any], request_id: str) -> tuple[int, Any]:
         return resp.status_code, resp.json()["error"]["message"]
     if not body.get("stream"):
         return 200, message_view(resp.json())
-    return 200, stream_view(list(anthropic_events(resp.iter_lines())))
+    return 200, stream_view(list(named_events(resp.iter_lines())))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["batch", "stream"])

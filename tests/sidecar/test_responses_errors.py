@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from disagg_sidecar import wire
-from tests.sidecar.hostile import Answer, generated_cases, issue_cases, send_raw
+from tests.sidecar.hostile import Answer, corpus_on, send_raw
 from tests.sidecar.support import REFUSED, FakeEngine, fake_config, fake_engine, run_sidecar
 
 FAKE_MESSAGE = json.loads(REFUSED)["error"]["message"]
@@ -30,16 +30,8 @@ def engine() -> Iterator[FakeEngine]:
         yield fake
 
 
-def _on_responses(data: bytes) -> bytes | None:
-    """A corpus request sent to ``/v1/responses`` instead (None: not a POST to an API path)."""
-    for path in (b"/v1/chat/completions", b"/v1/completions"):
-        if data.startswith(b"POST " + path + b" "):
-            return b"POST " + wire.RESPONSES.encode() + data[len(b"POST ") + len(path):]
-    return None
-
-
 def test_the_bad_input_corpus_gets_openais_error_shape(engine: FakeEngine) -> None:
-    cases = [(name, moved) for name, data in issue_cases() + generated_cases() if (moved := _on_responses(data))]
+    cases = corpus_on(wire.RESPONSES)
     assert len(cases) >= 200
     failures = []
     refused = forwarded = 0
