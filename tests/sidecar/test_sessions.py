@@ -30,6 +30,9 @@ from tests.harness.openai_views import (
 from tests.harness.overlap import in_background
 from tests.sidecar.conftest import TOKENS_ONLY
 from tests.sidecar.support import RunningSidecar, long_body, recording_proxy, run_sidecar, sidecar_config, wait_for
+from tests.sidecar.test_messages_parity import CASES as MESSAGES_CASES
+from tests.sidecar.test_messages_parity import post as post_messages
+from tests.sidecar.test_messages_parity import stream_view as messages_stream_view
 from tests.sidecar.test_parity import post_raw
 from tests.sidecar.test_parity_matrix import CHAT_CASES, COMPLETION_CASES, chat_request
 
@@ -199,3 +202,17 @@ def test_pinned_render_killed_mid_stream(engine_set, forcer, session_renders) ->
         assert failures() == before + 1
     assert got[-1] == "[DONE]" and not any("error" in e for e in got[:-1])
     assert chat_stream_full_view(got) == chat_stream_full_view(reference.result())
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case", [c for c in MESSAGES_CASES if c != "stop_sequence_inside_a_second_tool_call"])
+def test_messages_streams_through_sessions(lane_set, forcer, lane_session_sidecar, case: str) -> None:
+    """The Messages matrix's cases, streamed, through the session path (the chat legs under vLLM's
+    mapping) equal the coupled server's ``/v1/messages`` stream, with no stateless derender call.
+    (The stop sequence inside a second tool call is chunking-sensitive, as for chat above.)"""
+    body = MESSAGES_CASES[case](forcer, True)
+    reference = in_background(lambda: post_messages(lane_set.url("coupled"), body, f"session-messages-{case}"))
+    before = stateless_calls(lane_session_sidecar)
+    got = post_messages(lane_session_sidecar.url, body, f"session-messages-{case}")
+    assert messages_stream_view(got) == messages_stream_view(reference.result())
+    assert stateless_calls(lane_session_sidecar) == before
