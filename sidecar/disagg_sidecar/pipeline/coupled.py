@@ -22,10 +22,10 @@ whole.
 from __future__ import annotations
 
 import logging
-from urllib.parse import urlencode
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 from aiohttp import web
