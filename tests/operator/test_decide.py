@@ -214,6 +214,17 @@ def test_surge_step(ratio, target, current, ready, want) -> None:
     assert surge_step(s, Replicas(*target), Replicas(*current), Replicas(*ready)) == Replicas(*want)
 
 
+def smallest_and_largest(s: AutoscalingSpec, rng: random.Random) -> tuple[Replicas, Replicas] | None:
+    """Sizes within the bounds and the ratio with the fewest and the most pods (None: there are none)."""
+    pairs = [(p, d) for p in range(s.prefill.min_replicas, s.prefill.max_replicas + 1)
+             for d in range(s.decode.min_replicas, s.decode.max_replicas + 1)
+             if s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9]
+    if not pairs:
+        return None
+    return (Replicas(*min(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))),
+            Replicas(*max(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))))
+
+
 @pytest.mark.parametrize("seed", range(200))
 def test_ready_pods_hold_the_ratio_while_both_pools_surge(seed: int) -> None:
     """From sizes within the ratio to a target within it: pods come up one at a time in random order
@@ -221,27 +232,23 @@ def test_ready_pods_hold_the_ratio_while_both_pools_surge(seed: int) -> None:
     makes both pools grow at once) and the target is reached."""
     rng = random.Random(seed)
     s = random_spec(rng)
-    pairs = [(p, d) for p in range(s.prefill.min_replicas, s.prefill.max_replicas + 1)
-             for d in range(s.decode.min_replicas, s.decode.max_replicas + 1)
-             if s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9]
-    if not pairs:
+    if (ends := smallest_and_largest(s, rng)) is None:
         return
-    start = min(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))
-    target = max(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))
-    current = ready = Replicas(*start)
+    start, target = ends
+    current = ready = start
     for _ in range(200):
-        if ready == Replicas(*target):
+        if ready == target:
             break
-        step = surge_step(s, Replicas(*target), current, ready)
+        step = surge_step(s, target, current, ready)
         # Beyond what the other pool's ready pods allow: both grow at once (a tight ratio) ...
         joint = step.prefill > max(current.prefill, math.floor(ready.decode * s.ratio.max + 1e-9)) or (
             s.ratio.min > 0 and step.decode > max(current.decode, math.floor(ready.prefill / s.ratio.min + 1e-9)))
         if joint:  # ... only once every pod is ready, and where growing one pool alone would leave the ratio
             assert ready == current, (current, ready, step)
             for p, d in ((current.prefill + 1, current.decode), (current.prefill, current.decode + 1)):
-                assert not (p <= target[0] and d <= target[1] and s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9), (
+                assert not (p <= target.prefill and d <= target.decode and s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9), (
                     current, step)
-        assert current.prefill <= step.prefill <= target[0] and current.decode <= step.decode <= target[1]
+        assert current.prefill <= step.prefill <= target.prefill and current.decode <= step.decode <= target.decode
         current = step
         while ready != current:  # the new pods become ready, one at a time, in any order
             pools = [pool for pool in ("prefill", "decode") if getattr(ready, pool) < getattr(current, pool)]
@@ -249,7 +256,7 @@ def test_ready_pods_hold_the_ratio_while_both_pools_surge(seed: int) -> None:
             ready = Replicas(ready.prefill + (pool == "prefill"), ready.decode + (pool == "decode"))
             if not joint:
                 assert s.ratio.min - 1e-9 <= ready.prefill / ready.decode <= s.ratio.max + 1e-9, (current, ready)
-    assert ready == Replicas(*target), f"stuck at {ready} on the way to {target}"
+    assert ready == target, f"stuck at {ready} on the way to {target}"
 
 
 @pytest.mark.parametrize("seed", range(200))
@@ -260,15 +267,11 @@ def test_sizes_hold_the_ratio_while_both_pools_shrink(seed: int) -> None:
     shrink at once) and the target is reached."""
     rng = random.Random(seed)
     s = random_spec(rng)
-    pairs = [(p, d) for p in range(s.prefill.min_replicas, s.prefill.max_replicas + 1)
-             for d in range(s.decode.min_replicas, s.decode.max_replicas + 1)
-             if s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9]
-    if not pairs:
+    if (ends := smallest_and_largest(s, rng)) is None:
         return
-    start = max(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))
-    target = Replicas(*min(pairs, key=lambda pd: (pd[0] + pd[1], rng.random())))
+    target, start = ends
     within = lambda r: s.ratio.min - 1e-9 <= r.prefill / r.decode <= s.ratio.max + 1e-9  # noqa: E731
-    current = Replicas(*start)
+    current = start
     for _ in range(400):
         if current == target:
             break
