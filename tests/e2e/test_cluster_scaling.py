@@ -99,12 +99,14 @@ def uids(cluster: Cluster, ns: str, pool: str) -> set[str]:
 
 
 @pytest.fixture
-def autoscaled(cluster: Cluster, tiny: Deployed) -> Iterator[Deployed]:
-    """The example with spec.autoscaling; removed again however the test ends (the test asserts what
-    the removal does), with one pod per pool left as the next module expects."""
+def autoscaled(cluster: Cluster, tiny: Deployed) -> Iterator[tuple[Deployed, dict[str, set[str]]]]:
+    """The example with spec.autoscaling, and each pool's pods before it was set; removed again however
+    the test ends (the test asserts what the removal does), with one pod per pool left as the next
+    module expects."""
+    before = {pool: uids(cluster, tiny.ns, pool) for pool in ("prefill", "decode", "render")}
     cluster.kubectl("patch", "dm", MODEL, "-n", tiny.ns, "--type=merge",
                     "-p", json.dumps({"spec": {"autoscaling": AUTOSCALING}}))
-    yield tiny
+    yield tiny, before
     if "autoscaling" in dm(cluster, tiny.ns)["spec"]:
         cluster.kubectl("patch", "dm", MODEL, "-n", tiny.ns, "--type=json",
                         "-p", '[{"op": "remove", "path": "/spec/autoscaling"}]')
@@ -114,10 +116,10 @@ def autoscaled(cluster: Cluster, tiny: Deployed) -> Iterator[Deployed]:
 
 
 def test_a_load_scales_prefill_and_decode_up_within_bounds_and_ratio_and_idle_scales_them_back(
-    cluster: Cluster, autoscaled: Deployed, forcer: Forcer
+    cluster: Cluster, autoscaled: tuple[Deployed, dict[str, set[str]]], forcer: Forcer
 ) -> None:
-    ns, t0 = autoscaled.ns, time.monotonic()
-    before = {pool: uids(cluster, ns, pool) for pool in ("prefill", "decode", "render")}
+    (deployed, before), t0 = autoscaled, time.monotonic()
+    ns = deployed.ns
     assert all(len(u) == 1 for u in before.values()), before
 
     # Quiet: the planner reads every engine (latency 0: no request in the interval) and keeps 1 and 1.
@@ -132,13 +134,14 @@ def test_a_load_scales_prefill_and_decode_up_within_bounds_and_ratio_and_idle_sc
         assert status["pools"][pool] | {"reason": ""} == {
             "current": 1, "desired": 1, "minReplicas": 1, "maxReplicas": MAX, "managedBy": "planner", "reason": ""}
     assert within(sizes(cluster, ns)) == (1, 1)
+    assert {pool: uids(cluster, ns, pool) for pool in before} == before, "setting spec.autoscaling replaced pods"
 
     # A load of long prompts through the decode Service (3 requests in flight): decode grows first
     # (1 prefill pod allows at most 2 decode pods), prefill once the new decode pod is ready.
     seen = [(1, 1)]  # the planner's sizes, each change in turn
     held_for_decode: list[str] = []
     loaded = time.monotonic()
-    with RequestStream(autoscaled.url, forcer, workers=3) as load:
+    with RequestStream(deployed.url, forcer, workers=3) as load:
         def scaled_up() -> bool:
             now = sizes(cluster, ns)
             if seen[-1] != (step := within(now)):
@@ -173,7 +176,7 @@ def test_a_load_scales_prefill_and_decode_up_within_bounds_and_ratio_and_idle_sc
 
         # The load stops; a trickle that leaves both signals at 0 keeps going through the decode
         # Service while the pools shrink: short prompts (no prefill leg), one token each.
-        with RequestStream(autoscaled.url, forcer, prompt_words=0, max_tokens=1) as trickle:
+        with RequestStream(deployed.url, forcer, prompt_words=0, max_tokens=1) as trickle:
             load.stop()
             quiet = time.monotonic()
             [going] = new["prefill"]
