@@ -182,9 +182,11 @@ def surge_step(spec: AutoscalingSpec, target: Replicas, current: Replicas, ready
     """The sizes to set now on the way to ``target`` (both pools together): a pool grows only as far as
     the other pool's *ready* pods keep the ratio (prefill <= ready decode x max, decode <= ready prefill /
     min), so while new pods come up the ready pods stay within the ratio bounds; the next step follows
-    once they are ready. When every pod is ready and still neither pool may grow by itself (a tight
-    ratio such as min = max), both grow to the next sizes within the ratio at once. Shrinking, and a
-    model without prefill: at once."""
+    once they are ready. A pool shrinks only as far as the other pool's size keeps the ratio (decode >=
+    prefill / max, prefill >= decode x min): the other shrinks first (prefill may take several decisions
+    to retire its pods, ``retire.py``). When every pod is ready and still neither pool may move by itself
+    (a tight ratio such as min = max), both move to the next sizes within the ratio at once. A model
+    without prefill: at once."""
     if target.prefill is None or current.prefill is None or ready.prefill is None:
         return target
     r = spec.ratio
@@ -193,21 +195,38 @@ def surge_step(spec: AutoscalingSpec, target: Replicas, current: Replicas, ready
         p = max(current.prefill, min(p, math.floor(ready.decode * r.max + 1e-9)))
     if d > current.decode and r.min > 0:
         d = max(current.decode, min(d, math.floor(ready.prefill / r.min + 1e-9)))
+    # The other pool's pods as they will be after this step (a growing pool's count them already).
+    if p < current.prefill and r.min > 0:
+        p = min(current.prefill, max(p, math.ceil(max(d, current.decode) * r.min - 1e-9)))
+    if d < current.decode:
+        d = min(current.decode, max(d, math.ceil(max(p, current.prefill) / r.max - 1e-9)))
+    if (p, d) != (current.prefill, current.decode) or target == current:
+        return Replicas(p, d)
     grows = target.prefill > current.prefill or target.decode > current.decode
-    all_ready = ready.prefill >= current.prefill and ready.decode >= current.decode
-    if grows and all_ready and (p, d) == (current.prefill, current.decode):
-        return _joint_step(spec, target, current)
-    return Replicas(p, d)
+    if grows and not (ready.prefill >= current.prefill and ready.decode >= current.decode):
+        return current
+    return _joint_step(spec, target, current)
+
+
+def decode_beside(spec: AutoscalingSpec, prefill: int, before: int, after: int) -> int:
+    """Decode's size for this decision when prefill stays at ``prefill`` for now (its pods still leaving
+    the sidecars' selection): decode shrinks only as far as that many prefill pods keep ``ratio.max``
+    (what ``surge_step`` leaves to a joint step of both pools waits for prefill)."""
+    if after >= before:
+        return after
+    return min(before, max(after, math.ceil(prefill / spec.ratio.max - 1e-9)))
 
 
 def _joint_step(spec: AutoscalingSpec, target: Replicas, current: Replicas) -> Replicas:
-    """The smallest sizes between ``current`` and ``target`` that both grow and hold the ratio."""
+    """The sizes between ``current`` and ``target`` nearest to ``current`` (growing: the smallest,
+    shrinking: the largest) where both pools moved and the ratio holds."""
     assert target.prefill is not None and current.prefill is not None
     r = spec.ratio
-    low_p, high_p = min(current.prefill, target.prefill), max(current.prefill, target.prefill)
-    low_d, high_d = min(current.decode, target.decode), max(current.decode, target.decode)
-    for d in range(low_d, high_d + 1):
-        for p in range(low_p, high_p + 1):
+
+    def towards(now: int, goal: int) -> range:
+        return range(now, goal + 1) if goal >= now else range(now, goal - 1, -1)
+    for d in towards(current.decode, target.decode):
+        for p in towards(current.prefill, target.prefill):
             if (p, d) != (current.prefill, current.decode) and r.min * d - 1e-9 <= p <= r.max * d + 1e-9:
                 return Replicas(p, d)
     return target

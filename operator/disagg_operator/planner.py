@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_operator import names, retire, signals as sig
-from disagg_operator.decide import Decision, Recommendation, Replicas, Signals, decide, surge_step
+from disagg_operator.decide import Decision, Recommendation, Replicas, Signals, decide, decode_beside, surge_step
 from disagg_operator.names import Role
 from disagg_operator.plan import Plan
 
@@ -200,7 +200,7 @@ def tick(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], hpas: Mapping
     step = surge_step(spec, decision.replicas, current, ready)
 
     moves, managed, notes, retire_events = [], {}, dict(decision.reasons), []
-    state.stepping = False
+    state.stepping = prefill_held = False
     for role, before, target, after in ((Role.PREFILL, prefill, decision.replicas.prefill, step.prefill),
                                         (Role.DECODE, decode, decision.replicas.decode, step.decode)):
         if before is None or after is None or target is None:
@@ -212,15 +212,18 @@ def tick(plan: Plan, deployments: Mapping[str, Mapping[str, Any]], hpas: Mapping
                 retire_events.append(("PrefillReselected", f"prefill pods {', '.join(back)} are selected again"))
             continue
         managed[str(role)] = "planner"
+        if role == Role.DECODE and prefill_held and prefill is not None:
+            after = decode_beside(spec, prefill, before, after)
         if after != target:
-            notes[str(role)] = f"{notes.get(str(role), '')}; {after} until the other pool's new pods are ready (ratio)"
+            wait = "the other pool's new pods are ready" if after < target else "the other pool has shrunk"
+            notes[str(role)] = f"{notes.get(str(role), '')}; {after} until {wait} (ratio)"
             state.stepping = True
         if role == Role.PREFILL:
             now_ok, found, why = _retire_prefill(api, plan, before, after)
             retire_events += found
             notes[str(role)] = notes.get(str(role), "") + why
             if not now_ok:
-                state.stepping = True
+                state.stepping = prefill_held = True
                 continue
         if after != before:
             api.scale(plan.namespace, deployment, after)

@@ -101,10 +101,15 @@ def _without_time(status: dict[str, Any]) -> dict[str, Any]:
 @kopf.on.update(GROUP, VERSION, PLURAL, id="planner-release", field="spec.autoscaling")
 def release(new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """``spec.autoscaling`` removed: prefill pods the planner had taken out of the sidecars'
-    selection for a scale-down it will not make are put back."""
+    selection for a scale-down it will not make are put back, and ``status.autoscaling`` goes (it
+    would still say ``managedBy: planner``); a planner turned on again starts from the sizes it finds."""
     if new:
         return
     meta = body["metadata"]
+    with _lock:
+        _states.pop(meta.get("uid", ""), None)
+    if (body.get("status") or {}).get("autoscaling") is not None:
+        memo.api.patch_status(meta["namespace"], meta["name"], {"autoscaling": None})
     back = release_prefill(memo.api, meta["namespace"], meta["name"])
     if back:
         kopf.info(_reference(dict(body)), reason="PrefillReselected",

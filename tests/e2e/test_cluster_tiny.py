@@ -3,15 +3,13 @@ images imported with ctr, `helm install` of the chart, `kubectl apply -f` of the
 then runs real containers behind their real probes, and the openai SDK talks to the model through
 the decode Service's ClusterIP (kube-proxy on this host).
 
-One operator release and one deployment serve every test here (engines take minutes to start on a
-busy 2-core machine: the harness starts them while the engine tests run); the last two take the
-node down under it and delete the model."""
+One operator release and one deployment serve every test here and in test_cluster_scaling.py
+(engines take minutes to start on a busy 2-core machine: the harness starts them while the engine
+tests run); the last two take the node down under it and delete the model."""
 from __future__ import annotations
 
 import json
-import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,52 +19,15 @@ from openai import OpenAI
 
 from tests.cluster.real_node import node_pids, running
 from tests.harness.cluster import REAL_NODE, Cluster, ClusterError, RealNodeSession, host_state, node_script
-from tests.harness.cluster_tiny import MODEL, ClusterTiny, get, pods, start_cluster_tiny
+# The example's fixtures, shared with tests/e2e/test_cluster_scaling.py (which runs first).
+from tests.harness.cluster_tiny import MODEL, READY_TIMEOUT, Deployed, cluster_tiny, get, pods, ready, tiny  # noqa: F401
 from tests.harness.agent_apis import agent_views
 from tests.harness.coupled import forced_views
-from tests.harness.engine import early_fixture
 from tests.harness.request_stream import RequestStream
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
 POOLS = ("prefill", "decode", "render")
-# Applied in the background while the engine tests run (tests/harness/engine.py).
-cluster_tiny = early_fixture("cluster_tiny", start_cluster_tiny, after_cluster_tests=True)
-READY_TIMEOUT = float(os.environ.get("DISAGG_CLUSTER_TINY_TIMEOUT", "1200"))  # three engines on 2 busy cores
-
-
-@dataclass
-class Deployed:
-    ns: str
-    operator_ns: str
-    release: str
-    url: str  # the decode Service: http://<ClusterIP>:8000
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
-
-
-@pytest.fixture(scope="module")
-def tiny(cluster: Cluster, cluster_tiny: ClusterTiny) -> Deployed:
-    ns = cluster_tiny.ns
-
-    def model_ready() -> bool:
-        conditions = get(cluster, "dm", MODEL, "-n", ns).get("status", {}).get("conditions", [])
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-    try:
-        cluster.wait_for(model_ready, f"DisaggregatedModel {MODEL} Ready", timeout=READY_TIMEOUT, interval=2)
-    except AssertionError:
-        for pod in pods(cluster, ns):
-            for c in pod["spec"]["containers"]:
-                out = cluster.kubectl("logs", pod["metadata"]["name"], "-n", ns, "-c", c["name"], "--tail=30",
-                                      check=False)
-                print(f"----- {pod['metadata']['name']}/{c['name']}\n{out.stdout}{out.stderr}")
-        raise
-    print(f"{MODEL} Ready {time.monotonic() - cluster_tiny.applied:.0f}s after it was applied")
-    ip = get(cluster, "service", MODEL, "-n", ns)["spec"]["clusterIP"]
-    return Deployed(ns, cluster_tiny.operator_ns, cluster_tiny.release, f"http://{ip}:8000")
 
 
 def test_operator_is_a_real_pod_under_its_service_account(cluster: Cluster, tiny: Deployed) -> None:

@@ -4,8 +4,10 @@ image, `kubectl apply -f` of the example.
 
 ``start_cluster_tiny`` returns once the example is applied; the pods then start on their own. The
 harness (tests/harness/engine.py) calls it in the background as soon as the control-plane tests
-are done, so the three engines start while the engine tests run (tests/e2e/test_cluster_tiny.py
-waits for Ready), and stops it after that module."""
+are done, so the three engines start while the engine tests run, and stops it after the last
+module using it. The modules on it import ``cluster_tiny`` and ``tiny`` (the example Ready) from
+here: tests/e2e/test_cluster_scaling.py, then tests/e2e/test_cluster_tiny.py, whose last tests take
+the node and the model down."""
 from __future__ import annotations
 
 import os
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.harness.cluster import (
@@ -26,6 +29,7 @@ from tests.harness.cluster import (
     node_script,
     start_real_node,
 )
+from tests.harness.engine import early_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cluster-tiny.yaml"
@@ -33,6 +37,7 @@ CHART = REPO / "charts" / "disagg"
 MODEL = "cluster-tiny"
 VOLUMES = ("disagg-host-cache", "disagg-kv-shared", "disagg-engine-cache")  # scripts/node's PersistentVolumes
 STOP_TIMEOUT = 180.0
+READY_TIMEOUT = float(os.environ.get("DISAGG_CLUSTER_TINY_TIMEOUT", "1200"))  # three engines on 2 busy cores
 
 
 def get(cluster: Cluster, *args: str) -> dict[str, Any]:
@@ -114,3 +119,41 @@ def start_cluster_tiny() -> ClusterTiny:
         tiny.stop()
         raise
     return tiny
+
+
+# Applied in the background while the engine tests run (tests/harness/engine.py).
+cluster_tiny = early_fixture("cluster_tiny", start_cluster_tiny, after_cluster_tests=True)
+
+
+@dataclass
+class Deployed:
+    ns: str
+    operator_ns: str
+    release: str
+    url: str  # the decode Service: http://<ClusterIP>:8000
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+@pytest.fixture(scope="module")
+def tiny(cluster: Cluster, cluster_tiny: ClusterTiny) -> Deployed:
+    ns = cluster_tiny.ns
+
+    def model_ready() -> bool:
+        conditions = get(cluster, "dm", MODEL, "-n", ns).get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    try:
+        cluster.wait_for(model_ready, f"DisaggregatedModel {MODEL} Ready", timeout=READY_TIMEOUT, interval=2)
+    except AssertionError:
+        for pod in pods(cluster, ns):
+            for c in pod["spec"]["containers"]:
+                out = cluster.kubectl("logs", pod["metadata"]["name"], "-n", ns, "-c", c["name"], "--tail=30",
+                                      check=False)
+                print(f"----- {pod['metadata']['name']}/{c['name']}\n{out.stdout}{out.stderr}")
+        raise
+    print(f"{MODEL} Ready {time.monotonic() - cluster_tiny.applied:.0f}s after it was applied")
+    ip = get(cluster, "service", MODEL, "-n", ns)["spec"]["clusterIP"]
+    return Deployed(ns, cluster_tiny.operator_ns, cluster_tiny.release, f"http://{ip}:8000")

@@ -256,7 +256,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return 4
         if _uses(item, "doomed_engines"):
             return 3
-        if not any(_uses(item, name) for name in _ENGINE_FIXTURES):
+        # The example on the real node waits for the control-plane tests: its modules run with e2e.
+        if not any(_uses(item, name) for name in (*_ENGINE_FIXTURES, *_AFTER_CLUSTER_TESTS)):
             return 0
         return 2 if item.get_closest_marker("e2e") else 1
 

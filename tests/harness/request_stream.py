@@ -3,9 +3,10 @@ requests while pods are replaced underneath it.
 
 Each worker (one by default) sends one request at a time (batch and streamed in turn) with the
 openai SDK and no retries: a request counts as failed unless it answers 200 with exactly the
-forced text and ``finish_reason: stop``. Every answer records when it was sent and the sidecar's
-``x-disagg-prefill`` outcome (remote, fallback, ...). A test with other requests and checks
-passes ``request`` (worker, number -> prefill outcome, error or None; raising counts as failed).
+forced text and ``finish_reason: stop`` (with ``max_tokens``: its first tokens and ``length``).
+Every answer records when it was sent and the sidecar's ``x-disagg-prefill`` outcome (remote,
+fallback, ...). A test with other requests and checks passes ``request`` (worker, number -> prefill
+outcome, error or None; raising counts as failed).
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ class RequestStream:
     url: str  # the deployment's OpenAI base, http://host:port
     forcer: Forcer
     workers: int = 1  # one request always in flight; more would only slow the engines starting beside it
+    # Repeats of " and more words" in each prompt: 60 make it longer than a KV block (128 tokens on CPU),
+    # so that the sidecar sends it to prefill; 0 leaves it short: decode prefills it itself ("skipped").
+    prompt_words: int = 60
+    max_tokens: int | None = None  # None: the whole forced answer; n: its first n tokens (finish "length")
     max_requests: int = 5000
     max_seconds: float = 1200.0
     request: Callable[[int, int], tuple[str | None, str | None]] | None = None
@@ -87,7 +92,10 @@ class RequestStream:
 
     def _run(self, worker: int, deadline: float) -> None:
         client = OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        want, _ = OUTPUTS["plain"]
+        want, finish_want = OUTPUTS["plain"][0], "stop"
+        if self.max_tokens is not None:
+            want = self.forcer.tokenizer.decode(self.forcer.ids(want, eos=False)[:self.max_tokens])
+            finish_want = "length"
         n = 0
         while not self._stop.is_set() and time.monotonic() < deadline and len(self.answers) < self.max_requests:
             n += 1
@@ -97,7 +105,7 @@ class RequestStream:
                     prefill, error = self.request(worker, n)
                 else:
                     prefill, text, finish = self._one(client, worker, n, stream=n % 2 == 0)
-                    error = None if (text, finish) == (want, "stop") else f"answer {text!r} finish {finish!r}"
+                    error = None if (text, finish) == (want, finish_want) else f"answer {text!r} finish {finish!r}"
             except Exception as exc:  # noqa: BLE001 - every failure is what the stream counts
                 prefill, error = None, f"{type(exc).__name__}: {exc}"[:300]
             with self._lock:
@@ -105,10 +113,9 @@ class RequestStream:
 
     def _one(self, client: OpenAI, worker: int, n: int, stream: bool) -> tuple[str | None, str, str | None]:
         body = self.forcer.chat_body("plain")
-        # Longer than a KV block (128 tokens on CPU), so that the sidecar sends it to prefill (shorter: skipped).
-        body["messages"][0]["content"] += f" Request {worker}.{n}:" + " and more words" * 60
+        body["messages"][0]["content"] += f" Request {worker}.{n}:" + " and more words" * self.prompt_words
         kwargs: dict[str, Any] = {
-            "model": body["model"], "messages": body["messages"], "max_tokens": body["max_tokens"],
+            "model": body["model"], "messages": body["messages"], "max_tokens": self.max_tokens or body["max_tokens"],
             "extra_body": {"vllm_xargs": body["vllm_xargs"], "chat_template_kwargs": body["chat_template_kwargs"]}}
         if not stream:
             raw = client.chat.completions.with_raw_response.create(**kwargs)

@@ -84,8 +84,10 @@ def prometheus() -> Iterator[FakePrometheus]:
 
 
 def replicas(cluster: Cluster, ns: str) -> tuple[int, int]:
-    return tuple(get(cluster, ns, "deployment", f"qwen3-8b-{pool}")["spec"]["replicas"]  # type: ignore[return-value]
-                 for pool in ("prefill", "decode"))
+    """Both pools' sizes, read at once."""
+    found = {d["metadata"]["name"]: d["spec"]["replicas"] for d in get(
+        cluster, ns, "deployment", "qwen3-8b-prefill", "qwen3-8b-decode")["items"]}
+    return found["qwen3-8b-prefill"], found["qwen3-8b-decode"]
 
 
 def ready(cluster: Cluster, ns: str) -> tuple[int, int]:
@@ -164,7 +166,8 @@ def test_the_planner_scales_within_bounds_and_ratio_and_back_after_the_window(
     prometheus.values["waiting"] = 0.0
     idle_at = time.monotonic()
     left_selection: dict[str, float] = {}  # marked pod -> when first seen out of the EndpointSlices
-    shrunk_at: list[float] = []
+    shrunk_at: dict[int, float] = {}  # prefill's size -> when first seen
+    seen = set()
 
     def scaled_down() -> bool:
         current = replicas(cluster, ns)
@@ -176,14 +179,20 @@ def test_the_planner_scales_within_bounds_and_ratio_and_back_after_the_window(
                 left_selection.setdefault(name, now)
             if pod["metadata"].get("deletionTimestamp"):
                 assert name not in selection, f"{name} is being removed and still selectable"
-        if current[0] < 3 and not shrunk_at:
-            shrunk_at.append(now)
+        # Each pool shrinks only as far as the other's size keeps the ratio 0.5-1 (prefill first: decode
+        # waits while prefill's pods leave the selection).
+        assert 0.5 <= current[0] / current[1] <= 1, f"prefill:decode {current} out of the ratio"
+        seen.add(current)
+        shrunk_at.setdefault(current[0], now)
         return current == (1, 1) and len(pods) == 1
     cluster.wait_for(scaled_down, "prefill and decode back to 1", timeout=DOWN_WINDOW + 90)
     assert time.monotonic() - scaled_up_at >= DOWN_WINDOW - INTERVAL
     gone = before - set(prefill_pods(cluster, ns))
     assert set(left_selection) == gone and len(gone) == 2, (left_selection, gone)
-    assert all(at < shrunk_at[0] for at in left_selection.values()), "the pool shrank before its pods left the selection"
+    assert seen >= {(2, 3), (2, 2), (1, 2)}, f"no steps: {sorted(seen)}"
+    # One pod per step, each out of the selection before the pool shrank past it.
+    assert [at < shrunk_at[size] for at, size in zip(sorted(left_selection.values()), (2, 1))] == [True, True], (
+        left_selection, shrunk_at)
     (kept,) = prefill_pods(cluster, ns).values()
     assert not retire.marked(kept) and sidecar_selection(cluster, ns) == {kept["metadata"]["name"]}
     reasons = [e["reason"] for e in events(cluster, ns)]
@@ -254,3 +263,6 @@ def test_removing_autoscaling_puts_prefill_pods_it_had_marked_back(
     assert back["labels"][names.KV_REVISION] == revision and not retire.marked({"metadata": back})
     assert retire.DELETION_COST not in (back.get("annotations") or {})
     assert "PrefillReselected" in [e["reason"] for e in events(cluster, ns)]
+    # The planner's status goes with it (it would still say managedBy: planner).
+    cluster.wait_for(lambda: "autoscaling" not in get(cluster, ns, "dm", "qwen3-8b").get("status", {}),
+                     "status.autoscaling removed", timeout=30)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from disagg_operator.decide import Recommendation, Replicas, Signals, decide, hold_ratio, surge_step
+from disagg_operator.decide import Recommendation, Replicas, Signals, decide, decode_beside, hold_ratio, surge_step
 from disagg_operator.spec import AutoscalingSpec
 
 
@@ -200,12 +200,29 @@ def test_a_size_the_ratio_decided_says_so() -> None:
     # A tight ratio (1-1) with every pod ready: both grow together, one pair at a time.
     ({"min": 1, "max": 1}, (3, 3), (1, 1), (1, 1), (2, 2)),
     ({"min": 1, "max": 1}, (3, 3), (2, 2), (1, 2), (2, 2)),  # a pod still coming up: wait
-    # Shrinking is not stepped.
-    ({"min": 0.5, "max": 1}, (1, 1), (3, 3), (3, 3), (1, 1)),
+    # Shrinking: a pool goes only as far as the other pool's size keeps the ratio (the other goes first).
+    ({"min": 0.5, "max": 1}, (1, 1), (2, 2), (2, 2), (1, 2)),  # 2 prefill on 1 decode: over max 1
+    ({"min": 0.5, "max": 1}, (1, 1), (1, 2), (1, 2), (1, 1)),
+    ({"min": 0.5, "max": 1}, (1, 1), (3, 3), (3, 3), (2, 3)),  # 1 prefill on 3 decode: under min 0.5
+    ({"min": 0.5, "max": 1}, (1, 1), (2, 3), (2, 3), (2, 2)),
+    ({"min": 0, "max": 100}, (1, 1), (6, 8), (6, 8), (1, 1)),  # no bound in the way: at once
+    # A tight ratio: both shrink together, one pair at a time.
+    ({"min": 1, "max": 1}, (1, 1), (3, 3), (3, 3), (2, 2)),
 ])
 def test_surge_step(ratio, target, current, ready, want) -> None:
     s = spec(ratio=ratio)
     assert surge_step(s, Replicas(*target), Replicas(*current), Replicas(*ready)) == Replicas(*want)
+
+
+def smallest_and_largest(s: AutoscalingSpec, rng: random.Random) -> tuple[Replicas, Replicas] | None:
+    """Sizes within the bounds and the ratio with the fewest and the most pods (None: there are none)."""
+    pairs = [(p, d) for p in range(s.prefill.min_replicas, s.prefill.max_replicas + 1)
+             for d in range(s.decode.min_replicas, s.decode.max_replicas + 1)
+             if s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9]
+    if not pairs:
+        return None
+    return (Replicas(*min(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))),
+            Replicas(*max(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))))
 
 
 @pytest.mark.parametrize("seed", range(200))
@@ -215,27 +232,23 @@ def test_ready_pods_hold_the_ratio_while_both_pools_surge(seed: int) -> None:
     makes both pools grow at once) and the target is reached."""
     rng = random.Random(seed)
     s = random_spec(rng)
-    pairs = [(p, d) for p in range(s.prefill.min_replicas, s.prefill.max_replicas + 1)
-             for d in range(s.decode.min_replicas, s.decode.max_replicas + 1)
-             if s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9]
-    if not pairs:
+    if (ends := smallest_and_largest(s, rng)) is None:
         return
-    start = min(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))
-    target = max(pairs, key=lambda pd: (pd[0] + pd[1], rng.random()))
-    current = ready = Replicas(*start)
+    start, target = ends
+    current = ready = start
     for _ in range(200):
-        if ready == Replicas(*target):
+        if ready == target:
             break
-        step = surge_step(s, Replicas(*target), current, ready)
+        step = surge_step(s, target, current, ready)
         # Beyond what the other pool's ready pods allow: both grow at once (a tight ratio) ...
         joint = step.prefill > max(current.prefill, math.floor(ready.decode * s.ratio.max + 1e-9)) or (
             s.ratio.min > 0 and step.decode > max(current.decode, math.floor(ready.prefill / s.ratio.min + 1e-9)))
         if joint:  # ... only once every pod is ready, and where growing one pool alone would leave the ratio
             assert ready == current, (current, ready, step)
             for p, d in ((current.prefill + 1, current.decode), (current.prefill, current.decode + 1)):
-                assert not (p <= target[0] and d <= target[1] and s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9), (
+                assert not (p <= target.prefill and d <= target.decode and s.ratio.min - 1e-9 <= p / d <= s.ratio.max + 1e-9), (
                     current, step)
-        assert current.prefill <= step.prefill <= target[0] and current.decode <= step.decode <= target[1]
+        assert current.prefill <= step.prefill <= target.prefill and current.decode <= step.decode <= target.decode
         current = step
         while ready != current:  # the new pods become ready, one at a time, in any order
             pools = [pool for pool in ("prefill", "decode") if getattr(ready, pool) < getattr(current, pool)]
@@ -243,4 +256,35 @@ def test_ready_pods_hold_the_ratio_while_both_pools_surge(seed: int) -> None:
             ready = Replicas(ready.prefill + (pool == "prefill"), ready.decode + (pool == "decode"))
             if not joint:
                 assert s.ratio.min - 1e-9 <= ready.prefill / ready.decode <= s.ratio.max + 1e-9, (current, ready)
-    assert ready == Replicas(*target), f"stuck at {ready} on the way to {target}"
+    assert ready == target, f"stuck at {ready} on the way to {target}"
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_sizes_hold_the_ratio_while_both_pools_shrink(seed: int) -> None:
+    """From sizes within the ratio to a smaller target within it: prefill's scale-down waits a random
+    number of decisions (its pods leave the sidecars' selection first, retire.py), decode's is at once;
+    every size the Deployments pass through holds the ratio (except while a tight ratio makes both pools
+    shrink at once) and the target is reached."""
+    rng = random.Random(seed)
+    s = random_spec(rng)
+    if (ends := smallest_and_largest(s, rng)) is None:
+        return
+    target, start = ends
+    within = lambda r: s.ratio.min - 1e-9 <= r.prefill / r.decode <= s.ratio.max + 1e-9  # noqa: E731
+    current = start
+    for _ in range(400):
+        if current == target:
+            break
+        step = surge_step(s, target, current, current)
+        assert target.prefill <= step.prefill <= current.prefill and target.decode <= step.decode <= current.decode
+        joint = step.prefill < current.prefill and step.decode < current.decode and not within(
+            Replicas(step.prefill, current.decode))
+        if rng.random() < 0.5:  # prefill's pods still leaving: it stays, decode goes only as far as that allows
+            prefill, decode = current.prefill, decode_beside(s, current.prefill, current.decode, step.decode)
+            sizes = [Replicas(prefill, decode)]
+        else:  # the planner scales prefill first
+            prefill, decode = step.prefill, step.decode
+            sizes = [Replicas(prefill, current.decode), Replicas(prefill, decode)]
+        assert all(joint or within(size) for size in sizes), (current, step, sizes)
+        current = Replicas(prefill, decode)
+    assert current == target, f"stuck at {current} on the way to {target}"

@@ -140,6 +140,49 @@ def test_the_planner_shrinks_prefill_only_after_its_pods_left_the_sidecars_selec
     assert not state.stepping
 
 
+@pytest.mark.parametrize("ratio,decode_with_prefill", [
+    ({"min": 0.5, "max": 1}, False),  # decode follows at the decision after prefill's scale
+    ({"min": 1, "max": 1}, True),  # a tight ratio: both in one decision, prefill's call first
+])
+def test_decode_shrinks_only_after_prefill_when_the_ratio_needs_it(ratio: dict, decode_with_prefill: bool) -> None:
+    """Prefill's scale-down waits for its pods to leave the sidecars' selection; decode, which could
+    shrink at once, waits too where 2 prefill pods on 1 decode pod would leave ratio.max."""
+    plan = autoscaled(stabilization={"scaleDownSeconds": 0}, ratio=ratio,
+                      targets={"waitingPerPrefillPod": 4, "itlSeconds": 0.05})
+    pods = [pod(f"p{i}", created=f"2026-12-05T10:0{i}:00Z") for i in range(2)]
+    for p in pods:
+        p["metadata"]["labels"][names.KV_REVISION] = plan.kv_revision
+    api = Api(pods, plan.name)
+    idle = '{"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, "0"]}]}}'
+    sizes = {"prefill": 2, "decode": 2}
+
+    reasons: dict[str, str] = {}
+
+    def step(now: float) -> list[tuple[str, ...]]:
+        api.calls.clear()
+        deployments = {f"qwen3-8b-{pool}": {"spec": {"replicas": n}, "status": {"readyReplicas": n}}
+                       for pool, n in sizes.items()}
+        result = tick(plan, deployments, {}, api, state, fetch=lambda url: idle, now=now)
+        assert result is not None
+        reasons.update({pool: entry["reason"] for pool, entry in result.status["pools"].items()})
+        for call in api.calls:
+            if call[0] == "scale":
+                sizes[call[1].rsplit("-", 1)[1]] = int(call[2])
+        return [c for c in api.calls if c[0] == "scale"]
+
+    state = ModelState()
+    step(0.0)  # the sizes found
+    # Idle: both are to go to 1. The prefill pod to go is marked; decode stays for it.
+    assert step(15.0) == [] and ("patch", "p1") in api.calls
+    assert "2 until the other pool has shrunk (ratio)" in reasons["decode"] and state.stepping
+    assert step(20.0)[0] == ("scale", "qwen3-8b-prefill", "1")
+    if decode_with_prefill:
+        assert api.calls[-1] == ("scale", "qwen3-8b-decode", "1")
+    else:
+        assert sizes["decode"] == 2 and step(25.0) == [("scale", "qwen3-8b-decode", "1")]
+    assert sizes == {"prefill": 1, "decode": 1}
+
+
 def test_a_marked_pod_the_planner_keeps_is_selected_again() -> None:
     plan = autoscaled()
     kept = pod("p1", leaving=True)
