@@ -21,7 +21,7 @@ from tests.cluster.real_node import node_pids, running
 from tests.harness.cluster import REAL_NODE, Cluster, ClusterError, RealNodeSession, host_state, node_script
 # The example's fixtures, shared with tests/e2e/test_cluster_scaling.py (which runs first).
 from tests.harness.cluster_tiny import MODEL, READY_TIMEOUT, Deployed, cluster_tiny, get, pods, ready, tiny  # noqa: F401
-from tests.harness.agent_apis import agent_views
+from tests.harness.agent_apis import messages_views, responses_views
 from tests.harness.coupled import forced_views
 from tests.harness.request_stream import RequestStream
 
@@ -120,19 +120,20 @@ def test_decode_metrics_show_the_prompt_kv_came_from_prefill(
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("api", ["responses", "messages"])
 def test_responses_and_messages_through_their_sdks_equal_the_coupled_reference_with_kv_from_prefill(
-    engine_set, cluster: Cluster, tiny: Deployed, forcer
+    engine_set, cluster: Cluster, tiny: Deployed, forcer, api: str
 ) -> None:
     """The openai SDK's Responses and the anthropic SDK's Messages calls through the decode Service
-    read what the coupled reference gives them; each new prompt's KV came from the prefill pod."""
+    read what the coupled reference gives them; the new prompt's KV came from the prefill pod."""
+    views = {"responses": responses_views, "messages": messages_views}[api]
     [decode] = pods(cluster, tiny.ns, "decode")
     decode_url = f"http://{decode['status']['podIP']}:8200"
     before = _counters(decode_url)
-    got = agent_views(tiny.url, forcer, note=f"{time.time_ns()} ")
-    assert got == agent_views(engine_set.url("coupled"), forcer)
+    assert views(tiny.url, forcer, note=f"{time.time_ns()} ") == views(engine_set.url("coupled"), forcer)
     deadline = time.monotonic() + 30
     while _counters(decode_url)["hits"] <= before["hits"]:
-        assert time.monotonic() < deadline, "the decode pod loaded no KV from prefill"
+        assert time.monotonic() < deadline, f"the decode pod loaded no KV from prefill for {api}"
         time.sleep(0.2)
 
 
