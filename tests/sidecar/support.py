@@ -230,12 +230,14 @@ GENERATED = "vllm:generation_tokens_total"
 
 
 def check_engine_stopped(decode: str, generated_before: float, answer_tokens: int) -> float:
-    """After a client left a stream of ``answer_tokens`` tokens: the decode engine is idle within 5 s
-    (the seconds it took are returned) and generated fewer tokens than the answer has, so the abort
-    reached it and the answer was not finished (a bound in tokens, which load does not move)."""
+    """After a client left a stream of ``answer_tokens`` tokens: the decode engine goes idle (the
+    seconds it took are returned) having generated fewer tokens than the answer has, so the abort
+    reached it and the answer was not finished (a bound in tokens, which load does not move). The
+    wait is generous: with the machine loaded by engines starting beside the test, a quiet 0.3 s
+    abort was seen to take over 5 s; an answer that ran to its end fails the token bound instead."""
     started = time.monotonic()
-    assert wait_for(lambda: engine_metric(decode, "vllm:num_requests_running") == 0, timeout=5.0), \
-        "decode still generating 5 s after the client left"
+    assert wait_for(lambda: engine_metric(decode, "vllm:num_requests_running") == 0, timeout=15.0), \
+        "decode still generating 15 s after the client left"
     elapsed = time.monotonic() - started
     generated = engine_metric(decode, GENERATED) - generated_before
     assert generated < answer_tokens, f"the engine finished the answer ({generated:.0f} tokens): no abort reached it"
