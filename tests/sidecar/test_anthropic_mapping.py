@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from disagg_engine.testing.lanes import ALL_LANES, lane_env
+from disagg_engine.testing.lanes import ALL_LANES
 from disagg_sidecar.derender import anthropic
 from disagg_sidecar.plan import anthropic_request
+from tests.harness.lane_code import run_in_lane
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +130,12 @@ print("CHAT " + json.dumps(out))
 @pytest.mark.parity
 @pytest.mark.parametrize("lane", ALL_LANES)
 def test_the_chat_request_is_each_lanes_vllms(lane: str) -> None:
-    """The mapping against ``to_chat_completion_request`` of each lane's vLLM (in a process that
-    runs it), with the fields only newer releases have: one that a lane's vLLM ignores changes
+    """The mapping against ``to_chat_completion_request`` of each lane's vLLM (``run_in_lane``), with the fields only newer releases have: one that a lane's vLLM ignores changes
     nothing there, one it honours is vLLM's mapping. ``min_tokens`` comes from render's answer
     (``chat_request_as_rendered``): here the lane's vLLM says what render applies."""
     cases = {f"{name}-{merge}": (body, merge) for name, body in {**REQUESTS, **NEWER}.items()
              for merge in (False, True)}
-    out = subprocess.run([sys.executable, "-c", _TO_CHAT, json.dumps(cases)], env={**os.environ, **lane_env(lane)},
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith("CHAT ")]
-    want_all = json.loads(line.removeprefix("CHAT "))
+    want_all = run_in_lane(lane, _TO_CHAT, cases, "CHAT")
     order = list(ALL_LANES)
     for key, (body, merge) in cases.items():
         name = key.rsplit("-", 1)[0]

@@ -6,18 +6,16 @@ here until the sidecar places it."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from disagg_engine.testing.lanes import ALL_LANES, lane_env
+from disagg_engine.testing.lanes import ALL_LANES
 from disagg_sidecar import wire
 from disagg_sidecar.derender import anthropic
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.plan import anthropic_request, options
 from disagg_sidecar.plan.decisions import check_messages_request, check_openai_request, check_responses_request
+from tests.harness.lane_code import run_in_lane
 
 # vLLM's request models, named by the API the sidecar serves them on; the fields a client may
 # send are their pydantic fields (by name and by alias).
@@ -42,13 +40,8 @@ print("FIELDS " + json.dumps(out))
 
 
 def vllm_request_fields(lane: str) -> dict[str, list[str]]:
-    """The request fields of ``lane``'s vLLM, listed in a process that runs that lane's vLLM."""
-    env = {**os.environ, **lane_env(lane)}
-    out = subprocess.run([sys.executable, "-c", _LIST_FIELDS, json.dumps(MODELS)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith("FIELDS ")]
-    return json.loads(line.removeprefix("FIELDS "))
+    """The request fields of ``lane``'s vLLM (``run_in_lane``)."""
+    return run_in_lane(lane, _LIST_FIELDS, MODELS, "FIELDS")
 
 
 @pytest.mark.parity
