@@ -9,7 +9,9 @@ import json
 import random
 import socket
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 MiB = 1 << 20
 CHAT = "/v1/chat/completions"
@@ -230,3 +232,36 @@ def corpus_on(path: str) -> list[tuple[str, bytes]]:
             if data.startswith(b"POST " + api + b" "):
                 cases.append((name, b"POST " + path.encode() + data[len(b"POST ") + len(api):]))
     return cases
+
+
+def corpus_outcomes(url: str, engine: Any, path: str, render_path: str, refused_by: str,
+                    error_of: Callable[[Answer], dict | None]) -> tuple[list[Any], int, int]:
+    """``corpus_on(path)`` sent to the sidecar at ``url`` in front of the recording ``engine``
+    (its ``posts()``), whose render refuses everything with the message ``refused_by``: (failures,
+    refused, forwarded). Each answer must be a 4xx that ``error_of`` reads as the API's error; one
+    that passed the sidecar's rules reached render only, one the sidecar refused reached nothing.
+    Bytes aiohttp refuses before a route is known get the default (OpenAI) shape, nothing forwarded."""
+    cases = corpus_on(path)
+    assert len(cases) >= 200
+    failures: list[Any] = []
+    refused = forwarded = 0
+    for name, data in cases:
+        before = len(engine.posts())
+        answer = send_raw(url, data)
+        default = answer.openai_error()
+        if default is not None and default["message"] == "malformed HTTP request":
+            if len(engine.posts()) != before:
+                failures.append((name, "malformed HTTP forwarded"))
+            continue
+        error = error_of(answer)
+        if answer.status is None or not 400 <= answer.status < 500 or error is None:
+            failures.append((name, answer.status, answer.body[:200], answer.error))
+        elif error["message"] == refused_by:
+            forwarded += 1
+            if [c.path for c in engine.posts()[before:]] != [render_path]:
+                failures.append((name, "forwarded past render"))
+        elif len(engine.posts()) != before:
+            failures.append((name, "forwarded although refused"))
+        else:
+            refused += 1
+    return failures, refused, forwarded

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from disagg_sidecar import wire
-from tests.sidecar.hostile import Answer, corpus_on, send_raw
+from tests.sidecar.hostile import Answer, corpus_outcomes
 from tests.sidecar.support import REFUSED, FakeEngine, fake_config, fake_engine, run_sidecar
 
 FAKE_MESSAGE = json.loads(REFUSED)["error"]["message"]
@@ -31,24 +31,9 @@ def engine() -> Iterator[FakeEngine]:
 
 
 def test_the_bad_input_corpus_gets_openais_error_shape(engine: FakeEngine) -> None:
-    cases = corpus_on(wire.RESPONSES)
-    assert len(cases) >= 200
-    failures = []
-    refused = forwarded = 0
     with run_sidecar(fake_config(engine, max_body_bytes=1 << 20)) as sidecar:
-        for name, data in cases:
-            before = len(engine.posts())
-            answer = send_raw(sidecar.url, data)
-            error = answer.openai_error()
-            if answer.status is None or not 400 <= answer.status < 500 or error is None:
-                failures.append((name, answer.status, answer.body[:200], answer.error))
-            elif error["message"] == FAKE_MESSAGE:
-                forwarded += 1  # passed the sidecar's rules: render refused it
-                assert [c.path for c in engine.posts()[before:]] == [wire.RESPONSES_RENDER], name
-            elif len(engine.posts()) != before:
-                failures.append((name, "forwarded although refused"))
-            else:
-                refused += 1
+        failures, refused, forwarded = corpus_outcomes(sidecar.url, engine, wire.RESPONSES, wire.RESPONSES_RENDER,
+                                                       FAKE_MESSAGE, Answer.openai_error)
     assert not failures, failures[:10]
     assert refused > 100 and forwarded > 10
 
