@@ -15,7 +15,8 @@ Layers, each importing only those below it (an import-linter contract in pyproje
   sessions), ``stream`` (per-chunk chained derender, coalescing), ``window`` (a stream's calls
   answered by render pods of two releases), ``shapes`` / ``usage`` /
   ``fixes`` (the coupled response shapes), ``anthropic`` (the Messages API as vLLM maps it onto chat);
-- ``upstream/``: ``client`` (legs on the wire, retries, aborts), ``endpoints`` / ``affinity``
+- ``upstream/``: ``client`` (legs on the wire, retries, aborts), ``reading`` (an answer read off the
+  wire: bounded, budgeted, watched for silence), ``endpoints`` / ``affinity``
   (which endpoint), ``discovery`` / ``endpointslices`` / ``kubeapi`` (where they are), ``tls``,
   ``enginemetrics`` / ``exposition`` (the decode engine's ``/metrics``);
 - ``plan/`` (pure): ``request`` (one ``RequestPlan`` per request, read by the layers above),

@@ -14,7 +14,7 @@ from disagg_sidecar.budget import MemoryBudget, Reservation
 from disagg_sidecar.config import Limits
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.pipeline.failures import leg_failure, streamed_error
-from disagg_sidecar.upstream.client import LegError
+from disagg_sidecar.upstream.reading import LegError
 
 
 def _refused(raw: bytes, depth: int = 64) -> SidecarError:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import aiohttp
 
-from disagg_sidecar.upstream.client import transport_error
+from disagg_sidecar.upstream.reading import transport_error
 
 
 def test_transport_errors_become_leg_error_kinds() -> None:

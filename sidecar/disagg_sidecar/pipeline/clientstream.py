@@ -13,7 +13,7 @@ from aiohttp import web
 from disagg_sidecar import sse
 from disagg_sidecar.errors import SidecarError, error_body
 from disagg_sidecar.pipeline.failures import leg_failure
-from disagg_sidecar.upstream.client import LegError
+from disagg_sidecar.upstream.reading import LegError
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,8 @@ from disagg_sidecar.pipeline.decoding import ERROR_BYTES, Decoder, StreamEnd
 from disagg_sidecar.pipeline.failures import invalid_answer, leg_failure
 from disagg_sidecar.plan import answers, legs, requestlimits
 from disagg_sidecar.plan.request import RequestPlan
-from disagg_sidecar.upstream.client import LegError, Upstream, chunks, read_bounded
+from disagg_sidecar.upstream.client import Upstream
+from disagg_sidecar.upstream.reading import LegError, chunks, read_bounded
 
 log = logging.getLogger(__name__)
 

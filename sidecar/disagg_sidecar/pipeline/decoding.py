@@ -34,7 +34,8 @@ from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.pipeline.failures import invalid_answer, leg_failure, streamed_error
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream.client import LegError, Upstream, chunks, read_bounded
+from disagg_sidecar.upstream.client import Upstream
+from disagg_sidecar.upstream.reading import LegError, chunks, read_bounded
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disagg_sidecar.errors import SidecarError
-from disagg_sidecar.upstream.client import Leg, LegError
+from disagg_sidecar.upstream.reading import Leg, LegError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from disagg_sidecar.pipeline.context import Context
 from disagg_sidecar.errors import SidecarError
 from disagg_sidecar.pipeline.failures import BAD_ANSWERS, invalid_answer, leg_failure
 from disagg_sidecar.metrics import Metrics
-from disagg_sidecar.upstream.client import LegError, Reply, Upstream
+from disagg_sidecar.upstream.client import Reply, Upstream
+from disagg_sidecar.upstream.reading import LegError
 from disagg_sidecar.derender.usage import cached_tokens
 
 log = logging.getLogger(__name__)
