@@ -13,6 +13,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "crd": ("disagg_operator.commands:crd_main", "print the DisaggregatedModel CRD (YAML)"),
     "manifests": ("disagg_operator.commands:manifests_main", "print the Kubernetes objects for a DisaggregatedModel file"),
+    "scrape-config": ("disagg_operator.commands:scrape_config_main",
+                      "print the Prometheus scrape_configs of a model's PodMonitors"),
     "operator": ("disagg_operator.commands:operator_main", "run the operator (kopf)"),
     "sidecar": ("disagg_sidecar.commands:sidecar_main", "run the routing sidecar"),
     "engine": ("disagg_engine.commands:engine_main", "run vLLM with Disagg's engine extension"),

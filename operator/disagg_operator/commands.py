@@ -1,6 +1,7 @@
-"""`disagg crd`, `disagg manifests FILE` and `disagg operator`: argv in, exit code out.
+"""`disagg crd`, `disagg manifests FILE`, `disagg scrape-config FILE` and `disagg operator`: argv in,
+exit code out.
 
-kopf and the Kubernetes client are imported only by `disagg operator`, so the other two commands
+kopf and the Kubernetes client are imported only by `disagg operator`, so the other commands
 work anywhere pydantic and PyYAML are installed (GitOps pipelines, CI).
 """
 
@@ -79,6 +80,67 @@ def manifests_main(argv: Sequence[str]) -> int:
         print(f"disagg manifests: {exc}", file=sys.stderr)
         return 1
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False))
+    return 0
+
+
+def monitors_of(documents: Iterable[Any], default_namespace: str) -> list[dict[str, Any]]:
+    """The PodMonitors of ``documents``: a DisaggregatedModel's as the operator writes them (also on
+    podMonitors "auto"), a PodMonitor as it is, a List's items in turn; other objects (a model's
+    claims beside it) have none."""
+    from disagg_operator.manifest import parse_manifest
+    from disagg_operator.objects.monitors import pod_monitors
+    from disagg_operator.plan import build_plan
+    from disagg_operator.scrape_configs import KIND as MONITOR
+    from disagg_operator.spec import KIND, SpecError
+
+    out: list[dict[str, Any]] = []
+    for doc in documents:
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        if isinstance(doc, dict) and isinstance(kind, str) and kind.endswith("List"):
+            out += monitors_of(doc.get("items") or [], default_namespace)
+        elif isinstance(doc, dict) and (doc.get("apiVersion"), kind) == MONITOR:
+            out.append({**doc, "metadata": {"namespace": default_namespace, **doc.get("metadata", {})}})
+        elif kind == KIND:
+            manifest = parse_manifest(doc, default_namespace)
+            if manifest.spec.monitoring.pod_monitors == "false":
+                raise SpecError([f"{manifest.name}: spec.monitoring.podMonitors is false: no monitors"], "input")
+            out += pod_monitors(build_plan(manifest.spec, manifest.name, manifest.namespace))
+    return out
+
+
+def scrape_config_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="disagg scrape-config",
+        description="Print the Prometheus scrape_configs equivalent to a model's PodMonitors, for a Prometheus "
+        "without the Prometheus Operator (docs/autoscaling.md). FILE holds DisaggregatedModels (their monitors "
+        "are rendered as the operator writes them) or PodMonitors, e.g. `kubectl get podmonitors -o yaml`.",
+    )
+    parser.add_argument("file", metavar="FILE", help="YAML file ('-': stdin)")
+    parser.add_argument("-n", "--namespace", default="default",
+                        help="namespace for objects whose metadata has none (default: %(default)s)")
+    parser.add_argument("--kubeconfig-file", metavar="PATH", default=None,
+                        help="a kubeconfig for the pod discovery, for a Prometheus outside the cluster "
+                        "(default: none, Prometheus's in-cluster service account)")
+    parser.add_argument("--secrets-dir", metavar="DIR", default=None,
+                        help="where Secrets a monitor reads (the engines' CA with spec.security.tls) are mounted, "
+                        "one directory per Secret (default: /etc/prometheus/secrets)")
+    args = parser.parse_args(list(argv))
+    from disagg_operator.scrape_configs import SECRETS_DIR, scrape_configs
+    from disagg_operator.spec import KIND, SpecError
+
+    try:
+        monitors = monitors_of(_documents(args.file, sys.stdin), args.namespace)
+        if not monitors:
+            raise SpecError([f"no {KIND} and no PodMonitor in {args.file}"], "input")
+        jobs = scrape_configs(monitors, kubeconfig_file=args.kubeconfig_file,
+                              secrets_dir=args.secrets_dir or SECRETS_DIR)
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"disagg scrape-config: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 1
+    except (SpecError, ValueError, KeyError, TypeError) as exc:
+        print(f"disagg scrape-config: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(yaml.safe_dump({"scrape_configs": jobs}, sort_keys=False, default_flow_style=False))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`disagg crd` and `disagg manifests` through the real console-script dispatcher."""
+"""`disagg crd`, `disagg manifests` and `disagg scrape-config` through the real console-script dispatcher."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import yaml
 
 from disagg_cli.main import main
 from disagg_operator.objects import build_objects
+from disagg_operator.objects.monitors import pod_monitors
 from disagg_operator.plan import build_plan
 from disagg_operator.manifest import parse_manifest
+from disagg_operator.scrape_configs import scrape_configs
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "qwen3-8b.yaml"
@@ -94,6 +96,43 @@ def test_disagg_manifests_explains_unusable_input(tmp_path: Path, capsys: pytest
 def test_missing_file_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["manifests", "/nonexistent/model.yaml"]) == 1
     assert "cannot read /nonexistent/model.yaml" in capsys.readouterr().err
+
+
+def test_disagg_scrape_config_prints_the_jobs_of_a_models_monitors(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = REPO / "examples" / "cluster-tiny.yaml"  # three claims beside the model: they have no monitors
+    assert main(["scrape-config", str(tiny), "-n", "serving", "--kubeconfig-file", "/k/config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    [doc] = [d for d in yaml.safe_load_all(tiny.read_text()) if d["kind"] == "DisaggregatedModel"]
+    manifest = parse_manifest(doc, "serving")
+    monitors = pod_monitors(build_plan(manifest.spec, manifest.name, manifest.namespace))  # written also on auto
+    assert printed == {"scrape_configs": scrape_configs(monitors, kubeconfig_file="/k/config")}
+    assert [j["job_name"] for j in printed["scrape_configs"]] == [
+        "podMonitor/serving/cluster-tiny-engines/0", "podMonitor/serving/cluster-tiny-sidecars/0"]
+    # The same monitors as the API server lists them (`kubectl get podmonitors -o yaml`) print the same.
+    listed = {"apiVersion": "v1", "kind": "List", "items": [
+        {**m, "metadata": {**m["metadata"], "uid": "u", "resourceVersion": "7"}} for m in monitors]}
+    monkeypatch.setattr(sys, "stdin", io.StringIO(yaml.safe_dump(listed)))
+    assert main(["scrape-config", "-", "--kubeconfig-file", "/k/config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == printed
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n", "no DisaggregatedModel and no PodMonitor in"),
+    ("a: [\n", "cannot read"),
+    (yaml.safe_dump({**yaml.safe_load((REPO / "examples" / "minimal.yaml").read_text()),
+                     "spec": {"model": {"source": "hf://Qwen/Qwen3-0.6B"}, "monitoring": {"podMonitors": "false"}}}),
+     "podMonitors is false"),
+    ("apiVersion: monitoring.coreos.com/v1\nkind: PodMonitor\nmetadata: {name: x}\n"
+     "spec: {selector: {}, podMetricsEndpoints: [{port: p, bearerTokenSecret: {}}]}\n", "bearerTokenSecret"),
+])
+def test_disagg_scrape_config_explains_unusable_input(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      content: str, message: str) -> None:
+    path = tmp_path / "in.yaml"
+    path.write_text(content)
+    assert main(["scrape-config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
 
 
 def test_pure_modules_import_neither_vllm_torch_nor_kubernetes_clients() -> None:
