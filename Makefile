@@ -10,7 +10,7 @@ DEMO_ARGS ?=
 BENCH ?= all
 BENCH_ARGS ?=
 
-.PHONY: help setup engine-setup model k8s-bins node-deps cluster-up cluster-down node-up node-down test test-unit demo bench crds clean
+.PHONY: help setup engine-setup model k8s-bins prometheus-bin node-deps cluster-up cluster-down node-up node-down test test-unit demo bench crds clean
 
 help:
 	@echo "make demo          run a DisaggregatedModel locally and stream one chat answer"
@@ -30,6 +30,10 @@ setup:
 
 k8s-bins:
 	@scripts/k8s-bins >/dev/null
+
+# `make test` needs no target for it: the harness builds it in the background (tests/harness/prometheus.py).
+prometheus-bin:
+	@scripts/prometheus-bin >/dev/null
 
 node-deps:
 	@scripts/node-deps
