@@ -2,4 +2,5 @@
 pytest_plugins = [
     "tests.harness.cluster",
     "tests.harness.engine",
+    "tests.harness.prometheus",
 ]

@@ -1,13 +1,15 @@
 """examples/cluster-tiny.yaml deployed on the real node the way a user deploys it: the locally built
 images (scripts/disagg-images) imported with ctr, `helm install` of charts/disagg with the operator
-image, `kubectl apply -f` of the example.
+image, `kubectl apply -f` of the example. The PodMonitor CRD (tests/operator/crds/) is installed before
+the operator, so the operator writes the model's monitors (podMonitors: auto), as in a cluster with the
+Prometheus Operator; it is removed again with the rest.
 
 ``start_cluster_tiny`` returns once the example is applied; the pods then start on their own. The
 harness (tests/harness/engine.py) calls it in the background as soon as the control-plane tests
 are done, so the three engines start while the engine tests run, and stops it after the last
 module using it. The modules on it import ``cluster_tiny`` and ``tiny`` (the example Ready) from
-here: tests/e2e/test_cluster_scaling.py, then tests/e2e/test_cluster_tiny.py, whose last tests take
-the node and the model down."""
+here: tests/e2e/test_cluster_prometheus.py, tests/e2e/test_cluster_scaling.py, then
+tests/e2e/test_cluster_tiny.py, whose last tests take the node and the model down."""
 from __future__ import annotations
 
 import os
@@ -30,6 +32,7 @@ from tests.harness.cluster import (
     start_real_node,
 )
 from tests.harness.engine import early_fixture
+from tests.operator.monitor_cluster import install_monitor_crd, remove_monitor_crd
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cluster-tiny.yaml"
@@ -67,6 +70,7 @@ class ClusterTiny:
     release: str
     ns: str = ""
     applied: float = 0.0
+    monitor_crd: bool = False  # installed by start_cluster_tiny: removed by stop()
 
     def stop(self) -> None:
         """Delete the model's namespace and wait until its pods are gone (three engines must not
@@ -83,6 +87,9 @@ class ClusterTiny:
             self.cluster.helm("uninstall", self.release, "-n", self.operator_ns, "--wait", check=False)
             self.cluster.kubectl("delete", "namespace", self.operator_ns, "--wait=false", check=False)
             self.release = ""
+        if self.monitor_crd:
+            remove_monitor_crd(self.cluster)
+            self.monitor_crd = False
 
 
 def import_images(cluster: Cluster) -> dict[str, str]:
@@ -106,6 +113,8 @@ def start_cluster_tiny() -> ClusterTiny:
     operator_ns = cluster.create_namespace("disagg-system")
     tiny = ClusterTiny(cluster, operator_ns, f"disagg-e2e-{operator_ns.rsplit('-', 1)[1]}")  # per-release RBAC names
     try:
+        install_monitor_crd(cluster)  # before the operator starts, so it watches PodMonitors
+        tiny.monitor_crd = True
         repo, tag = next(name for name in images if name.startswith("disagg.local/disagg:")).rsplit(":", 1)
         cluster.helm("install", tiny.release, str(CHART), "-n", operator_ns, "--wait", "--timeout", "5m",
                      "--set", f"image.repository={repo}", "--set", f"image.tag={tag}",
