@@ -13,6 +13,7 @@ from disagg_operator import names
 from disagg_operator.objects import build_objects
 from disagg_operator.scrape_configs import scrape_configs
 from tests.operator.builders import full_spec, plan_of
+from tests.operator.cases import merged
 
 
 def monitor(spec: dict[str, Any], name: str = "m-engines", namespace: str = "prod") -> dict[str, Any]:
@@ -183,3 +184,14 @@ def test_the_jobs_scrape_every_pools_engine_and_the_decode_sidecars_with_their_l
     other = {**pods["decode"], "metadata": {"labels": {**pods["decode"]["metadata"]["labels"], names.INSTANCE: "other"}}}
     assert all(relabel(t, j["relabel_configs"]) is None for j in scrape_configs(monitors)
                for t in discovered(other, "prod", j["job_name"]))
+
+
+def test_tls_engines_are_scraped_over_https_with_the_models_ca_as_a_mounted_file() -> None:
+    plan = plan_of(merged(full_spec(), {"security": {"tls": {"secretName": "engine-tls"}}}))
+    jobs = {j["job_name"]: j for j in scrape_configs([o for o in build_objects(plan) if o["kind"] == "PodMonitor"],
+                                                     secrets_dir="/etc/s")}
+    engines, sidecars = jobs["podMonitor/prod/qwen3-8b-engines/0"], jobs["podMonitor/prod/qwen3-8b-sidecars/0"]
+    assert engines["scheme"] == "https"
+    assert engines["tls_config"] == {"ca_file": "/etc/s/engine-tls/ca.crt",
+                                     "server_name": names.engine_tls_name("qwen3-8b", "prod")}
+    assert "scheme" not in sidecars and "tls_config" not in sidecars  # the client port stays plain HTTP
