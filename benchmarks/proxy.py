@@ -100,7 +100,9 @@ def run(ctx) -> dict[str, Any]:
                     d, s = raw[kind][c]["direct"][-1], raw[kind][c]["sidecar"][-1]
                     ctx.log(f"proxy r{r} {kind} c={c}: p50 direct {1e3 * median(d['latency']):.1f} ms, sidecar "
                             f"{1e3 * median(s['latency']):.1f} ms, sidecar CPU/req {1e3 * s['cpu'] / s['requests']:.2f} ms")
-        result = summarise(raw, per_chunk_cpu(ctx, sset, side, rounds))
+        with sidecar(shaping_config(config)) as shaping:
+            chunk_cost = per_chunk_cpu(ctx, sset, side, shaping, rounds)
+        result = summarise(raw, chunk_cost)
         keys = result["keys"]
         if keys["sidecar_cpu_us_per_chunk"] > CHUNK_GOAL_US or keys["sidecar_cpu_ms_per_request"] > REQUEST_GOAL_MS:
             # A goal missed: where the sidecar's CPU goes, under streams and short requests mixed.
@@ -157,24 +159,34 @@ def relay_floor(target: str) -> Iterator[tuple[str, int]]:
         proc.wait(timeout=10)
 
 
-def per_chunk_cpu(ctx, sset, side, rounds: int) -> dict[str, Any]:
+def shaping_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the decode engine's own chunks shaped by the sidecar (``client_streams`` off):
+    the inline relay as it was before the engine wrote the client's chunks, for comparison."""
+    caps = {"output_modes": ["tokens", "text", "derender"], "streaming_output_modes": ["tokens", "text", "derender"],
+            "derender_context_forms": ["chat_request", "parse_context"], "client_streams": False}
+    return {**config, "decode": {**config["decode"], "capabilities": caps}}
+
+
+def per_chunk_cpu(ctx, sset, side, shaping, rounds: int) -> dict[str, Any]:
     """CPU of a long streamed answer minus the same answer in one piece, per relayed chunk: the
-    sidecar's for a chat (inline: each chunk parsed, checked and reshaped) and for a
-    GenerateRequest (passed through: each event parsed and checked), and the relay floor's for the
-    same GenerateRequest (``benchmarks.relayfloor``: bytes forwarded, nothing parsed). Sides alternate."""
+    sidecar's for a chat (inline: the engine writes the client's chunks, each checked and relayed as
+    written), for the same chat with each chunk parsed, checked and reshaped (``shaping``: the engine
+    writes generate chunks) and for a GenerateRequest (passed through: each event parsed and
+    checked), and the relay floor's for the same GenerateRequest (``benchmarks.relayfloor``: bytes
+    forwarded, nothing parsed). Sides alternate."""
     tokens = ctx.sizes("chunk_tokens", 512)
     ids = plain_ids(tokens, ctx.tokenizer())
     render = sset.url("render") + "/v1/chat/completions/render"
-    out: dict[str, list[dict[str, Any]]] = {"chat": [], "generate": [], "floor": []}
+    out: dict[str, list[dict[str, Any]]] = {"chat": [], "chat_shaped": [], "generate": [], "floor": []}
     with relay_floor(sset.url("decode")) as (floor, floor_pid):
-        sides = {"chat": (side.url + CHAT, side.proc.pid), "generate": (side.url + GENERATE, side.proc.pid),
-                 "floor": (floor + GENERATE, floor_pid)}
+        sides = {"chat": (side.url + CHAT, side.proc.pid), "chat_shaped": (shaping.url + CHAT, shaping.proc.pid),
+                 "generate": (side.url + GENERATE, side.proc.pid), "floor": (floor + GENERATE, floor_pid)}
         for r in range(max(rounds, 3)):
             chats = [short_chat(ids, False, r), short_chat(ids, True, r)]
             gens = [requests.post(render, json=c, timeout=60).json() for c in chats]
             for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                 url, pid = sides[name]
-                batch, stream = chats if name == "chat" else gens
+                batch, stream = chats if name.startswith("chat") else gens
                 _, _, batch_cpu = timed(url, [batch], 1, pid)
                 samples, _, stream_cpu = timed(url, [stream], 1, pid)
                 chunks = samples[0].chunks
@@ -183,7 +195,7 @@ def per_chunk_cpu(ctx, sset, side, rounds: int) -> dict[str, Any]:
                                   "us_per_chunk_upper": 1e6 * stream_cpu / chunks})
     result = {"tokens": tokens, "runs": out["chat"], "us_per_chunk": summary([o["us_per_chunk"] for o in out["chat"]]),
               "us_per_chunk_upper": summary([o["us_per_chunk_upper"] for o in out["chat"]])}
-    for name in ("generate", "floor"):
+    for name in ("chat_shaped", "generate", "floor"):
         result[name] = {"runs": out[name], "us_per_chunk": summary([o["us_per_chunk"] for o in out[name]])}
     return result
 
@@ -225,6 +237,7 @@ def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
     keys = {key: value for api in APIS for key, value in api_keys(table, api).items()}
     keys.update({
         "sidecar_cpu_us_per_chunk": chunk_cost["us_per_chunk"]["median"],
+        "sidecar_shaped_cpu_us_per_chunk": chunk_cost["chat_shaped"]["us_per_chunk"]["median"],
         "sidecar_generate_cpu_us_per_chunk": chunk_cost["generate"]["us_per_chunk"]["median"],
         "relay_floor_cpu_us_per_chunk": chunk_cost["floor"]["us_per_chunk"]["median"],
     })

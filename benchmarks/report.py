@@ -97,6 +97,11 @@ def _proxy(r: dict[str, Any]) -> list[str]:
     lines += ["", f"Sidecar CPU per relayed chunk ({cc['tokens']}-token chat stream minus the same answer in one piece): "
               f"{fmt_spread(cc['us_per_chunk'], 1)} µs; all of the stream's sidecar CPU per chunk: "
               f"{fmt_spread(cc['us_per_chunk_upper'], 1)} µs."]
+    if "chat_shaped" in cc:  # runs before the engine wrote the client's chunks have none
+        lines += ["", f"The decode engine writes the client's chunks (`client_stream`), which the sidecar checks and "
+                  f"relays as written; the same chat with the engine's generate chunks parsed, checked and reshaped "
+                  f"by the sidecar (`client_streams` off): {fmt_spread(cc['chat_shaped']['us_per_chunk'], 1)} µs "
+                  f"per chunk."]
     if "floor" in cc:  # runs before the relay floor was measured have none
         lines += ["", f"The same answer as a streamed GenerateRequest, per chunk: through the sidecar (each event "
                   f"parsed and checked, its bytes passed on) {fmt_spread(cc['generate']['us_per_chunk'], 1)} µs; "

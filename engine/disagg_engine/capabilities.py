@@ -44,6 +44,7 @@ def generate_capabilities(serving, args) -> dict[str, Any]:
         "output_modes": modes,
         "streaming_output_modes": modes,
         "derender_context_forms": ["chat_request", "parse_context"] if derender else [],
+        "client_streams": derender,  # a streamed derender writes the client's chunks (``ClientStream``)
         "tokenizer": tokenizer,
         "parser_configured": chat_parser_configured(getattr(serving, "chat", None)),
         **configured_parsers(args),

@@ -15,11 +15,25 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from disagg_engine.vllm_compat import ChatCompletionRequest, GenerateRequest, ParseContext, empty_chat_request
 
 OutputMode = Literal["tokens", "text", "derender"]
+
+
+class ClientStream(BaseModel):
+    """What a streamed ``derender``'s chunks need to be the client's own: the chat stream's header
+    (``id``, ``created``, ``model`` as the client's endpoint names them), whether the client asked
+    for token ids, and the prompt's cached tokens where the caller knows them better (a prefill
+    engine's cache hits). With it, each chunk is written exactly as ``/v1/chat/completions`` writes
+    it for the client, so a proxy can relay the bytes (docs/protocol.md §2)."""
+
+    id: str
+    created: int
+    model: str
+    return_token_ids: bool = False
+    cached_tokens: int | None = None
 
 
 class DisaggGenerateRequest(GenerateRequest):
@@ -33,6 +47,7 @@ class DisaggGenerateRequest(GenerateRequest):
     )
     chat_request: ChatCompletionRequest | None = None
     parse_context: ParseContext | None = None
+    client_stream: ClientStream | None = None
     # Set on the copy handed to vLLM's `serve_tokens` as a `text` request (serving.py).
     _derender: bool = PrivateAttr(default=False)
 
@@ -43,6 +58,8 @@ class DisaggGenerateRequest(GenerateRequest):
                 f"chat_request is only read with output_mode='derender' (got {self.output_mode!r}); "
                 "drop chat_request or set output_mode='derender'"
             )
+        if self.client_stream is not None and (self.output_mode != "derender" or not self.stream):
+            raise ValueError("client_stream is only read with output_mode='derender' and stream=true")
         return self
 
     @model_validator(mode="after")
@@ -88,6 +105,7 @@ class DisaggGenerateRequest(GenerateRequest):
             "stream_options": self.stream_options if self.stream else None,
             "logprobs": sp.logprobs is not None,
             "top_logprobs": sp.logprobs if sp.logprobs is not None else None,
-            "return_token_ids": True,  # generate choices always carry token_ids
+            # generate choices always carry token_ids; a client's chunks as the client asked
+            "return_token_ids": self.client_stream.return_token_ids if self.client_stream else True,
             "echo": False,
         })

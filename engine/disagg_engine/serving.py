@@ -4,11 +4,12 @@
 ``RequestOutput`` stream into vLLM's own ``/v1/chat/completions`` generators, so the message and
 the deltas are exactly what the coupled endpoint returns for the same tokens: one parser per
 choice, created when the request starts and dropped when it ends or is aborted; no replay, no
-client-carried state. Only the shape is changed (``shapes.py``). vLLM's ``serve_tokens`` runs
+client-carried state. Only the shape is changed (``shapes.py``): the generate schema, or, with
+``client_stream``, the client's own chunk under the header it names. vLLM's ``serve_tokens`` runs
 such a request as ``text`` (``DisaggGenerateRequest.for_extension``): vLLM 0.33 refuses a streamed
 ``derender`` itself. What vLLM does itself stays vLLM's (``vllm_compat``): a batch ``derender``
 with ``parse_context`` from 0.33 on, a streamed one from 0.34 on; the extension keeps the
-``chat_request`` form and, before 0.34, the streamed ``parse_context`` one.
+``chat_request`` form, ``client_stream`` and, before 0.34, the streamed ``parse_context`` one.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class DisaggServingTokens(ServingTokens):
 
     @staticmethod
     def _stock_derender(request: DisaggGenerateRequest) -> bool:
-        """vLLM derenders this request itself: no ``chat_request``, and batch from 0.33 on or
-        streamed from 0.34 on."""
-        if request.chat_request is not None:
+        """vLLM derenders this request itself: no ``chat_request`` nor ``client_stream``, and batch
+        from 0.33 on or streamed from 0.34 on."""
+        if request.chat_request is not None or request.client_stream is not None:
             return False
         return STOCK_STREAMING_DERENDER if request.stream else NATIVE_DERENDER
 
@@ -119,9 +120,13 @@ class DisaggServingTokens(ServingTokens):
             ctx, self._tracked(per_token_outputs(result_generator, splitter)), request_id, model_name, [],
             tokenizer, request_metadata, chat_template_kwargs=template_kwargs,
         )
+        client = request.client_stream
         async for event in chat_stream:
             payload = event[len("data: "):].strip() if event.startswith("data: ") else ""
             if payload == "[DONE]" or not payload:
                 yield event
-                continue
-            yield f"data: {shapes.derender_stream_event(payload, request_id)}\n\n"
+            elif client is not None:  # the client's own chunk (``ClientStream``)
+                chunk = shapes.client_stream_event(payload, client.id, client.created, client.model, client.cached_tokens)
+                yield f"data: {chunk}\n\n"
+            else:
+                yield f"data: {shapes.derender_stream_event(payload, request_id)}\n\n"

@@ -8,10 +8,14 @@ generate-only fields keep their place and a choice gains ``message`` (batch) or 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 _CHOICE_FIELDS = ("index", "finish_reason", "stop_reason", "token_ids")
 _CHOICES = ',"choices":['
+# The cached-token count of a serialized usage (vLLM's ``prompt_tokens_details``); the pattern's
+# unescaped quotes cannot occur inside a JSON string, so it only matches the key itself.
+_CACHED = re.compile(r'("prompt_tokens_details":\{"cached_tokens":)(?:\d+|null)')
 
 
 def derender_stream_chunk(chat_chunk: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -44,6 +48,28 @@ def derender_stream_event(payload: str, request_id: str) -> str:
     if "error" in chunk:
         return payload
     return json.dumps(derender_stream_chunk(chunk, request_id), separators=(",", ":"))
+
+
+def client_stream_event(payload: str, id: str, created: int, model: str, cached_tokens: int | None) -> str:
+    """A serialized ``chat.completion.chunk`` as the client's endpoint writes it: its header
+    (``id``, ``created``, ``model``) swapped as ``derender_stream_event`` swaps it, and the prompt's
+    ``cached_tokens`` where the engine reports them and the caller knows them (``ClientStream``);
+    everything else is vLLM's own bytes. Error events pass unchanged."""
+    choices = payload.find(_CHOICES)
+    if not (payload.startswith('{"id":') and choices > 0):
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            return payload
+        head = {"id": id, "object": chunk.get("object"), "created": created, "model": model}
+        payload = json.dumps({**head, **{k: v for k, v in chunk.items() if k not in head}},
+                             ensure_ascii=False, separators=(",", ":"))
+        choices = payload.find(_CHOICES)
+    head = ('{"id":' + json.dumps(id, ensure_ascii=False) + ',"object":"chat.completion.chunk","created":'
+            + str(created) + ',"model":' + json.dumps(model, ensure_ascii=False))
+    out = head + payload[choices:]
+    if cached_tokens is not None:
+        out = _CACHED.sub(lambda m: m.group(1) + str(cached_tokens), out)
+    return out
 
 
 def derender_response(chat: dict[str, Any], request_id: str, created: int | None = None) -> dict[str, Any]:

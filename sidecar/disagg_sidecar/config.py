@@ -170,6 +170,9 @@ class Capabilities(Model):
     derender_context_forms: tuple[Literal["chat_request", "parse_context"], ...] = ("chat_request",)
     parser_configured: bool = Field(
         True, description="The engine runs a reasoning/tool parser: chat text then needs derender, not text.")
+    client_streams: bool = Field(
+        False, description="A streamed derender can be asked to write the client's own chat chunks "
+        "(`client_stream`), which the sidecar then relays as bytes.")
 
 
 class Decode(Model):

@@ -58,6 +58,7 @@ EXTRA_ARGS: Final = "extra_args"
 OUTPUT_MODE: Final = "output_mode"
 CHAT_REQUEST: Final = "chat_request"
 PARSE_CONTEXT: Final = "parse_context"
+CLIENT_STREAM: Final = "client_stream"
 TOKEN_IDS: Final = "token_ids"
 REMOTE_PREFILL_CACHED_TOKENS: Final = "remote_prefill_cached_tokens"
 

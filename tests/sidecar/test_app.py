@@ -480,3 +480,33 @@ def test_chat_with_render_local_uses_the_decode_engine(engine_set, forcer) -> No
         got = requests.post(sidecar.url + "/v1/chat/completions", json=body, timeout=60).json()
         want = requests.post(engine_set.url("coupled") + "/v1/chat/completions", json=body, timeout=60).json()
         assert chat_view(got) == chat_view(want)
+
+
+# -- the inline relay: the decode engine writes the client's chunks --------------------------------
+
+@pytest.mark.parametrize("name, options", [
+    ("reasoning_tool_call", {}),
+    ("multibyte", {"n": 2, "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
+                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+], ids=["tool-call", "n2-logprobs-ids-usage"])
+def test_an_inline_chat_stream_is_the_decode_engines_bytes(engine_set, forcer, proxied, name: str, options: dict) -> None:
+    """With the engine extension, the decode leg asks for the client's own chunks
+    (``client_stream``: the chat stream's id, created and model), and the client's stream is the
+    engine's, byte for byte, usage chunk and [DONE] included; its deltas are coupled's."""
+    sidecar, proxies = proxied
+    chat = forcer.chat_body(name, stream=True, **options)
+    _clear(proxies)
+    resp = requests.post(sidecar.url + "/v1/chat/completions", json=chat, timeout=120,
+                         headers={"X-Request-Id": f"bytes-{name}"})
+    assert resp.status_code == 200, resp.text
+    (decode_call,) = [c for c in proxies["decode"].calls if c.path == GENERATE]
+    (leg,) = proxies["decode"].bodies(GENERATE)
+    client = leg["client_stream"]
+    assert client["id"] == f"chatcmpl-bytes-{name}" and client["model"] == chat["model"]
+    assert client["return_token_ids"] is bool(options.get("return_token_ids"))
+    assert resp.content == bytes(decode_call.response) and resp.content.endswith(b"data: [DONE]\n\n")
+    events = list(sse_events(resp.content.splitlines()))
+    assert all(e["id"] == client["id"] and e["created"] == client["created"] and e["object"] == "chat.completion.chunk"
+               for e in events[:-1])
+    coupled = requests.post(engine_set.url("coupled") + "/v1/chat/completions", json=chat, stream=True, timeout=60)
+    assert chat_stream_view(events) == chat_stream_view(list(sse_events(coupled.iter_lines())))

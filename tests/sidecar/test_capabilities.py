@@ -38,6 +38,17 @@ def test_absent_extension_leaves_what_stock_vllm_of_that_version_does() -> None:
     assert caps.derender_context_forms == ()  # EXT (configured) only named chat_request
 
 
+@pytest.mark.parametrize("served, expected", [
+    ({"client_streams": True}, True),
+    ({"client_streams": "yes"}, False),
+    ({}, False),  # an extension from before client streams
+    ("absent", False),  # stock vLLM writes generate chunks
+])
+def test_client_streams_only_where_the_engine_says_it_writes_them(served, expected) -> None:
+    assert capabilities.effective(capabilities.EXTENSION, served, STOCK_033).client_streams is expected
+    assert capabilities.effective(STOCK, {"client_streams": True}).client_streams is False  # configured off
+
+
 def test_configuration_only_narrows() -> None:
     served = {"output_modes": list(ALL), "streaming_output_modes": list(ALL), "parser_configured": False,
               "derender_context_forms": ["chat_request", "parse_context"]}
@@ -51,7 +62,7 @@ def test_configuration_only_narrows() -> None:
     ({"features": FEATURES_033}, STOCK_033),
     ({"features": {"generate_output_mode_derender": True}}, STOCK),  # derender needs render's parse_context
     ({"extension": True}, Capabilities(output_modes=ALL, streaming_output_modes=ALL,
-                                       derender_context_forms=("chat_request", "parse_context"))),
+                                       derender_context_forms=("chat_request", "parse_context"), client_streams=True)),
     ({"extension": True, "features": FEATURES_033}, capabilities.EXTENSION),
 ])
 def test_configured_from_the_engine(engine, expected) -> None:

@@ -322,6 +322,74 @@ def test_a_proper_stream_still_ends_with_done(ups: Upstreams) -> None:
             assert finished == {0, 1}
 
 
+# -- 4b. the client's own chunks (``client_stream``) --------------------------------------------------
+
+CLIENT_DECODE = {"output_modes": ["derender"], "streaming_output_modes": ["derender"],
+                 "derender_context_forms": ["chat_request"], "client_streams": True}
+
+
+def client_chunks(client: dict, pieces: list[dict]) -> list[bytes]:
+    """``pieces`` (choices, or a usage) as the client's chunks, written as the engine extension
+    writes them under the header the decode leg named (``client_stream``)."""
+    head = {"id": client["id"], "object": "chat.completion.chunk", "created": client["created"],
+            "model": client["model"]}
+    return [json.dumps({**head, **piece}, separators=(",", ":"), ensure_ascii=False).encode() for piece in pieces]
+
+
+CHOICES = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]},
+           {"choices": [{"index": 0, "delta": {"content": "héllo"}, "logprobs": None, "finish_reason": None}]},
+           {"choices": [{"index": 0, "delta": {"content": " there"}, "logprobs": None, "finish_reason": "stop",
+                         "stop_reason": None}]}]
+BAD_CLIENT_STREAMS = {  # the events after the header the sidecar named, or the whole stream
+    "not JSON after the header": lambda c: fake.sse_bytes(client_chunks(c, CHOICES[:1]) + [
+        client_chunks(c, CHOICES[1:2])[0][:-20] + b"<html>10.66.66.66</html>"]),
+    "a choice index beyond n": lambda c: fake.sse_bytes(client_chunks(c, [
+        CHOICES[0], {"choices": [{**CHOICES[2]["choices"][0], "index": 3}]}])),
+    "no finish reason": lambda c: fake.sse_bytes(client_chunks(c, CHOICES[:2])),
+    "no [DONE]": lambda c: fake.sse_bytes(client_chunks(c, CHOICES), done=False),
+}
+
+
+def answering_client_chunks(make) -> fake.Handler:
+    async def handle(request, body):
+        return await fake.stream_raw(make(body["client_stream"]))(request, body)
+    return handle
+
+
+@pytest.mark.parametrize("case", list(BAD_CLIENT_STREAMS))
+def test_the_clients_own_chunks_are_checked_as_any_decode_event(ups: Upstreams, case: str) -> None:
+    """Events that start as the client's chunk are relayed as written, but only once checked: a bad
+    one ends the client's stream with an error event, and its bytes never reach the client."""
+    ups.decode.routes["/inference/v1/generate"] = answering_client_chunks(BAD_CLIENT_STREAMS[case])
+    with run_sidecar(fake.config(ups, decode={"capabilities": CLIENT_DECODE})) as sidecar:
+        resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+        error = stream_error(resp)
+        assert error["code"] == 502 and error["message"].startswith(
+            "The decode engine answered with an invalid answer ("), error
+        assert b"<html>" not in resp.content and b'"index":3' not in resp.content
+        assert_clean(resp, ups)
+        (leg,) = [c.body for c in ups.decode.posts("/inference/v1/generate")]
+        assert leg["client_stream"]["id"] == "chatcmpl-fake" and leg["output_mode"] == "derender"
+
+
+def test_an_engine_that_ignores_client_stream_gets_its_chunks_shaped(ups: Upstreams) -> None:
+    """The same answer from an engine that writes the client's chunks and from one that does not know
+    the field (generate chunks, ``output_mode: derender``): the client gets the same stream."""
+    def generate_chunks(client: dict) -> bytes:
+        events = [{"request_id": "gen-fake", "output_mode": "derender", **piece} for piece in CHOICES]
+        return fake.sse_bytes(events)
+
+    streams = []
+    for make in (lambda c: fake.sse_bytes(client_chunks(c, CHOICES)), generate_chunks):
+        ups.decode.routes["/inference/v1/generate"] = answering_client_chunks(make)
+        with run_sidecar(fake.config(ups, decode={"capabilities": CLIENT_DECODE})) as sidecar:
+            events = read_stream(post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True}))
+        assert events[-1] == "[DONE]" and [e["choices"] for e in events[:-1]] == [p["choices"] for p in CHOICES]
+        streams.append([{k: v for k, v in e.items() if k != "created"} for e in events[:-1]])
+    assert streams[0] == streams[1]
+
+
 TOKENS_DECODE = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_sidecar.derender.fixes import chat_finish_reason, tool_call_id
+from disagg_sidecar.sse import dumps
 from disagg_sidecar.derender.usage import fix_usage
 
 
@@ -47,6 +48,20 @@ class Shape:
         if usage is None:
             return None
         return _without_none(usage, _OMITTED_USAGE) if self.omits_none else dict(usage)
+
+    def client_stream(self) -> dict[str, Any] | None:
+        """What the decode engine needs to write this request's chat chunks as the client's own
+        (the decode leg's ``client_stream``); None without a model name to write."""
+        if self.model is None:
+            return None
+        return {"id": self.id, "created": self.created, "model": self.model,
+                "return_token_ids": self.return_token_ids, "cached_tokens": self.cached_tokens}
+
+    def client_prefix(self) -> bytes:
+        """How each of this request's chat chunks starts, as the coupled endpoint writes it: a
+        decode event that starts so is the client's chunk already (``client_stream``)."""
+        return (b'{"id":' + dumps(self.id) + b',"object":"chat.completion.chunk","created":'
+                + str(self.created).encode() + b',"model":' + dumps(self.model) + b',"choices":[')
 
 
 _OMITTED_USAGE = ("prompt_tokens_details",)

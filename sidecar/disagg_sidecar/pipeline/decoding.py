@@ -23,7 +23,7 @@ from disagg_sidecar.plan import answers
 from disagg_sidecar.plan import legs
 from disagg_sidecar.plan import decisions
 from disagg_sidecar.plan.request import RequestPlan
-from disagg_sidecar.derender import sessions
+from disagg_sidecar.derender import sessions, shapes
 from disagg_sidecar import sse
 from disagg_sidecar.derender import stream
 from disagg_sidecar import wire
@@ -85,22 +85,25 @@ class Decoder:
     answers: DecodeAnswers = field(default_factory=DecodeAnswers)
 
     async def call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
-                   ctx: Context, chat_raw: bytes | None, read: Read[T]) -> T:
+                   ctx: Context, chat_raw: bytes | None, read: Read[T], client: Mapping[str, Any] | None = None) -> T:
         """The decode leg, asked again for tokens when the engine refuses the planned mode; what
-        ``read`` returned. A fallback (refused, or answered in another mode) is counted here."""
+        ``read`` returned. A fallback (refused, or answered in another mode) is counted here.
+        ``client``: the derender leg's ``client_stream`` (``legs.decode_body``)."""
         modes = Modes(plan.decode.mode, plan.decode.mode)
         try:
-            return await self._call(gen, kv, plan, ctx, chat_raw, read, modes)
+            return await self._call(gen, kv, plan, ctx, chat_raw, read, modes, client)
         finally:
             if modes.fell_back:
                 self.metrics.mode_fallbacks.labels(modes.planned).inc()
 
     async def _call(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
-                    ctx: Context, chat_raw: bytes | None, read: Read[T], modes: Modes) -> T:
+                    ctx: Context, chat_raw: bytes | None, read: Read[T], modes: Modes,
+                    client: Mapping[str, Any] | None) -> T:
         while True:
             self.metrics.output_modes.labels(modes.asked).inc()
             try:
-                body = legs.decode_body(gen, kv, modes.asked, plan.decode.context, chat_raw, plan.stream_interval)
+                body = legs.decode_body(gen, kv, modes.asked, plan.decode.context, chat_raw, plan.stream_interval,
+                                        client)
                 async with self.up.decode(body, ctx.headers, ctx.inflight, stream=bool(gen.get("stream"))) as resp:
                     if resp.status == 200:
                         return await read(resp, modes)
@@ -154,14 +157,19 @@ class Decoder:
 
     async def stream(self, gen: Mapping[str, Any], kv: dict[str, Any] | None, plan: RequestPlan,
                      ctx: Context, stream_call: chained.StreamCall, chat_raw: bytes | None,
-                     writer: SSEWriter, shaper: Shaper) -> Any:
-        """Stream one prompt's decode leg to the client; returns its usage (sent by the caller)."""
+                     writer: SSEWriter, shaper: Shaper, client: shapes.Shape | None = None) -> Any:
+        """Stream one prompt's decode leg to the client; returns its usage (sent by the caller).
+        With ``client`` (``DecodePlan.client_chunks``), the engine is asked to write the client's
+        own chunks, and each event that is one goes to the client as the engine wrote it."""
         min_tokens = decisions.tokens_per_derender_call(max_tokens_of(gen), choices_of(gen), stream_call.call_bytes,
                                                         self.config.limits.derender_stream_bytes)
+        header = client.client_stream() if client is not None else None
+        prefix = client.client_prefix() if client is not None and header is not None else None
 
         async def read(resp: aiohttp.ClientResponse, modes: Modes) -> Any:
-            return await self._relay(resp, plan, modes, stream_call, writer, shaper, choices_of(gen), ctx, min_tokens)
-        return await self.call(gen, kv, plan, ctx, chat_raw, read)
+            return await self._relay(resp, plan, modes, stream_call, writer, shaper, choices_of(gen), ctx, min_tokens,
+                                     prefix if modes.asked == "derender" else None)
+        return await self.call(gen, kv, plan, ctx, chat_raw, read, header)
 
     async def passthrough(self, request: web.Request, body: Mapping[str, Any], plan: RequestPlan,
                           kv: dict[str, Any] | None, ctx: Context) -> web.StreamResponse:
@@ -213,9 +221,11 @@ class Decoder:
 
     async def _relay(self, resp: aiohttp.ClientResponse, plan: RequestPlan, modes: Modes,
                      stream_call: chained.StreamCall, writer: SSEWriter, shaper: Shaper, n: int, ctx: Context,
-                     min_tokens: int) -> Any:
-        """The decode stream to the client: inline chunks shaped, tokens chunks chained. Each event
-        is checked (``answers``); a stream that ends without its end is an error, not a short answer."""
+                     min_tokens: int, prefix: bytes | None = None) -> Any:
+        """The decode stream to the client: inline chunks shaped, tokens chunks chained, and events
+        that start with ``prefix`` (the client's chunk, ``shapes.Shape.client_prefix``) relayed as
+        the engine wrote them, usage included. Each event is checked (``answers``); a stream that
+        ends without its end is an error, not a short answer."""
         usage: list[Any] = []
 
         async def emit(chunk: Mapping[str, Any]) -> None:
@@ -234,12 +244,21 @@ class Decoder:
         parser = sse.SSEParser(self.config.limits.upstream_event_bytes)
         ended = StreamEnd(n)
         error: dict[str, Any] | None = None
+        relayed: list[bytes] = []  # the client's own chunks of one read, written together
         try:
             async for data in chunks(resp, "decode", self.up.decode_url, ctx.reservation):
                 for payload in parser.feed(data):
                     event = ended.see(payload)
                     if event is None:
                         continue
+                    if prefix is not None and payload.startswith(prefix):
+                        answers.generated(event, n, "a decode stream event")
+                        modes.answered = modes.answered or "derender"
+                        relayed.append(sse.sse(payload))
+                        continue
+                    if relayed:
+                        await writer.write(b"".join(relayed))
+                        relayed.clear()
                     if "error" in event:
                         error = event["error"] if isinstance(event["error"], dict) else {}
                         continue
@@ -254,6 +273,9 @@ class Decoder:
                         chain.feed(event)
                     else:
                         await emit(event)
+                if relayed:
+                    await writer.write(b"".join(relayed))
+                    relayed.clear()
             if error is None:
                 ended.check(parser)
             if chain is not None:

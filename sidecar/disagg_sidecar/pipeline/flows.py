@@ -80,6 +80,10 @@ class _Sending:
         for piece in shapes.role_apart(obj):
             await self._send(piece)
 
+    async def write(self, data: bytes) -> None:
+        """Events that are the client's already (``DecodePlan.client_chunks``)."""
+        await self.writer.write(data)
+
 
 @dataclass
 class Flows:
@@ -170,7 +174,8 @@ class Flows:
                                          logprobs=c.plan.answer.stream_logprobs)
         first: set[int] = set()
         usage = await self.decoder.stream(c.gen, c.prefilled.kv, c.plan, ctx, stream_call, c.raw,
-                                          _Sending(writer, send), lambda chunk: shapes.chat_chunk(chunk, c.shape, first=first))
+                                          _Sending(writer, send), lambda chunk: shapes.chat_chunk(chunk, c.shape, first=first),
+                                          c.shape if c.plan.decode.client_chunks else None)
         if usage is not None:
             await (send_usage or send)(shapes.usage_chunk("chat.completion.chunk", c.shape, c.shape.usage(usage)))
 

@@ -32,6 +32,8 @@ class DecodePlan:
     mode: wire.OutputMode
     chain: Chain | None  # derender path for a tokens answer; None: pass the answer through
     context: wire.ContextForm | None = None  # parser context sent with mode "derender"
+    # A streamed derender writes the client's own chat chunks (``client_stream``), relayed as bytes.
+    client_chunks: bool = False
 
     @property
     def chained(self) -> bool:
@@ -47,7 +49,7 @@ def decode_plan(api: Api, request: Mapping[str, Any], caps: Capabilities) -> Dec
             # The client's request is the exact context; render's parse_context (0.33) the slim one.
             for form in ("chat_request", "parse_context"):
                 if form in caps.derender_context_forms:
-                    return DecodePlan("derender", "chat", form)
+                    return DecodePlan("derender", "chat", form, client_chunks=stream and caps.client_streams)
         if "text" in modes and not caps.parser_configured:
             return DecodePlan("text", "chat")
         return DecodePlan("tokens", "chat")

@@ -101,13 +101,16 @@ def client_decode_leg(body: Mapping[str, Any], kv_transfer_params: Mapping[str, 
 
 
 def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None, mode: wire.OutputMode,
-                context: wire.ContextForm | None, chat_raw: bytes | None, stream_interval: int = 1) -> bytes:
+                context: wire.ContextForm | None, chat_raw: bytes | None, stream_interval: int = 1,
+                client: Mapping[str, Any] | None = None) -> bytes:
     """The decode leg of an OpenAI request, serialised; with ``derender``, the parser context is
     the client's request (spliced in as its own bytes) or render's ``parse_context``. A ``tokens``
     leg is detokenized only where its stop strings need it (``stops.Stops.detokenize``): the derender
     tier makes the text, and the decode engine's detokenizer would only cost its API process CPU per token.
     A streamed ``tokens`` leg sends at least ``stream_interval`` tokens per chunk (vLLM's
-    ``SamplingParams.stream_interval``; the first token and the end at once)."""
+    ``SamplingParams.stream_interval``; the first token and the end at once). ``client``: a
+    streamed ``derender``'s chunks are to be the client's own (``client_stream``: the engine writes
+    the client's header, the relay forwards the bytes)."""
     slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
     leg = decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim)
     sampling = leg[wire.SAMPLING_PARAMS]
@@ -116,6 +119,8 @@ def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | 
     if mode == "tokens" and leg.get("stream") and stream_interval > 1:
         asked = sampling.get("stream_interval")
         sampling["stream_interval"] = max(asked if type(asked) is int else 1, stream_interval)
+    if mode == "derender" and client is not None and leg.get("stream"):
+        leg[wire.CLIENT_STREAM] = dict(client)
     body = dumps(leg)
     if mode == "derender" and context == "chat_request" and chat_raw is not None:
         body = with_raw_field(body, wire.CHAT_REQUEST, chat_raw)

@@ -134,8 +134,10 @@ def plan_request(api: Api, body: Any, caps: Capabilities, config: SidecarConfig)
 
 def derived_chat(chat: Mapping[str, Any], caps: Capabilities, config: SidecarConfig) -> RequestPlan:
     """The plan of a chat request the sidecar derived from another API's (checked as that one):
-    chat's decisions on the derived body, one choice."""
-    return _planned("chat", chat, 1, caps, config)
+    chat's decisions on the derived body, one choice. Its chunks are not the client's (another
+    API's mapping reads them), so the decode engine writes them in the generate shape."""
+    plan = _planned("chat", chat, 1, caps, config)
+    return dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, client_chunks=False))
 
 
 def _planned(api: Api, body: Mapping[str, Any], n: int, caps: Capabilities, config: SidecarConfig) -> RequestPlan:
