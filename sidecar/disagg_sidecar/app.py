@@ -28,6 +28,7 @@ from disagg_sidecar.upstream.discovery import make_source
 from disagg_sidecar.upstream.endpoints import EndpointPool
 from disagg_sidecar.upstream.enginemetrics import EngineMetrics
 from disagg_sidecar.errors import SidecarError, error_bytes
+from disagg_sidecar.pipeline.context import request_context
 from disagg_sidecar.pipeline.coupled import DecodeAlone
 from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, TRACING, UPSTREAM
@@ -67,7 +68,8 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def errors_and_access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """SidecarError -> its OpenAI-shaped answer; one structured access line per request."""
+    """SidecarError -> its OpenAI-shaped answer; one structured access line per request (with
+    where its prompt was prefilled: ``Context.access_fields``)."""
     started = time.monotonic()
     status = 500
     try:
@@ -103,9 +105,12 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
             request.app[METRICS].requests.labels(api, str(status)).inc()
             if status == 200:
                 request.app[STATE].answers.successes += 1
+            ctx = request_context.get()  # None: refused before it was made
             access_log.info("%s %s %s", request.method, request.path, status, extra={"fields": {
-                "status": status, "path": request.path, "ms": round((time.monotonic() - started) * 1000, 1)}})
+                "status": status, "path": request.path, "ms": round((time.monotonic() - started) * 1000, 1),
+                **(ctx.access_fields() if ctx is not None else {})}})
         request_id_var.set(None)
+        request_context.set(None)
 
 
 async def close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
