@@ -30,6 +30,7 @@ class Seen:
     ip: str | None = None
     logs: list[Path] = field(default_factory=list)
     follower: subprocess.Popen | None = None
+    ended_once: bool = False  # a follower's stream ended without an error
     whole: bool = False
 
     def lines(self) -> list[str]:
@@ -131,12 +132,15 @@ class PodWatch:
         if seen.whole or (seen.follower is not None and seen.follower.poll() is None):
             return
         state = _container_state(pod, self.container) if pod is not None else None
-        ended = seen.follower is not None and seen.follower.returncode == 0
-        if ended and (pod is None or state == "terminated"):
-            seen.whole = True  # the last stream ended after the container did: it read to the end
-            return
-        if pod is None:
-            return  # gone before a follower read it to the end: never whole
+        if seen.follower is not None and seen.follower.returncode == 0:
+            seen.ended_once = True
+        if pod is None or state == "terminated":
+            # A stream ends when the container does: once one ended so, it read to the end (a
+            # follower started again after that, while the pod still said running, may find the
+            # pod deleted). Gone without one: never whole.
+            seen.whole = seen.ended_once
+            if seen.whole or pod is None:
+                return
         if state in ("running", "terminated"):
             path = self._log_path(seen)
             with path.open("wb") as out:
