@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -28,6 +29,7 @@ from disagg_sidecar.upstream.discovery import make_source
 from disagg_sidecar.upstream.endpoints import EndpointPool
 from disagg_sidecar.upstream.enginemetrics import EngineMetrics
 from disagg_sidecar.errors import SidecarError, error_bytes
+from disagg_sidecar.pipeline.context import request_context
 from disagg_sidecar.pipeline.coupled import DecodeAlone
 from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, TRACING, UPSTREAM
@@ -67,7 +69,8 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def errors_and_access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """SidecarError -> its OpenAI-shaped answer; one structured access line per request."""
+    """SidecarError -> its OpenAI-shaped answer; one structured access line per request (with
+    where its prompt was prefilled: ``Context.access_fields``)."""
     started = time.monotonic()
     status = 500
     try:
@@ -103,9 +106,12 @@ async def errors_and_access_log(request: web.Request, handler: Handler) -> web.S
             request.app[METRICS].requests.labels(api, str(status)).inc()
             if status == 200:
                 request.app[STATE].answers.successes += 1
+            ctx = request_context.get()  # None: refused before it was made
             access_log.info("%s %s %s", request.method, request.path, status, extra={"fields": {
-                "status": status, "path": request.path, "ms": round((time.monotonic() - started) * 1000, 1)}})
+                "status": status, "path": request.path, "ms": round((time.monotonic() - started) * 1000, 1),
+                **(ctx.access_fields() if ctx is not None else {})}})
         request_id_var.set(None)
+        request_context.set(None)
 
 
 async def close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
@@ -169,19 +175,27 @@ async def _probe_forever(app: web.Application) -> None:
             log.exception("health probe failed")
 
 
+def upstream_sessions(config: SidecarConfig) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+    """The upstream sessions: one keeping connections alive, and one whose connections serve one
+    request each (``Upstream.call``'s retry after a disconnect)."""
+    ssl = {"ssl": context} if (context := tls.client_context(config)) else {}
+
+    def session(**reuse: Any) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=config.limits.max_upstream_connections,  # more wait for one (within their leg's deadline)
+            ttl_dns_cache=10, **reuse, **ssl)
+        # The engine key goes on every request of these sessions (legs, aborts, probes); the client's
+        # own Authorization header is never forwarded (wire.FORWARDED_HEADERS).
+        return aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth.upstream_headers(config))
+    # Kept alive below vLLM's 5 s (uvicorn closes idle ones).
+    return session(keepalive_timeout=config.limits.keepalive_seconds), session(force_close=True)
+
+
 async def _upstreams(app: web.Application) -> AsyncIterator[None]:
     config = app[STATE].config
     source = make_source(config.prefill.discovery if config.prefill.mode == "remote" else None)
     await source.start()
-    connector = aiohttp.TCPConnector(
-        limit=config.limits.max_upstream_connections,  # more wait for one (within their leg's deadline)
-        keepalive_timeout=config.limits.keepalive_seconds,  # below vLLM's 5 s (uvicorn closes idle ones)
-        ttl_dns_cache=10,
-        **({"ssl": context} if (context := tls.client_context(config)) else {}),
-    )
-    # The engine key goes on every request of this session (legs, aborts, probes); the client's
-    # own Authorization header is never forwarded (wire.FORWARDED_HEADERS).
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, headers=auth.upstream_headers(config))
+    session, fresh = upstream_sessions(config)
     upstream = Upstream(
         session, config, app[METRICS],
         render=EndpointPool("render", lambda: config.render_urls, "least-requests"),
@@ -189,7 +203,7 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
         prefill=EndpointPool("prefill", source.endpoints, config.prefill.selection,
                              block_tokens=config.prefill.affinity_block_tokens,
                              share=RecentShare(config.prefill.affinity_window, config.prefill.affinity_load_bound_percent)),
-        tracing=app[TRACING],
+        tracing=app[TRACING], fresh=fresh,
     )
     app[UPSTREAM] = upstream
     app[SCRAPE] = EngineMetrics(upstream, app[METRICS], config.metrics)
@@ -208,6 +222,7 @@ async def _upstreams(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(prober, return_exceptions=True)
         await upstream.close()
         await session.close()
+        await fresh.close()
         await source.stop()
         await asyncio.to_thread(app[TRACING].shutdown)  # the spans still queued are sent
 

@@ -45,8 +45,8 @@ TRACEPARENT: Final = "traceparent"
 TRACESTATE: Final = "tracestate"
 FORWARDED_HEADERS: Final = (TRACEPARENT, TRACESTATE)
 
-# Values of the x-disagg-prefill response header.
-PrefillOutcome = Literal["remote", "fallback", "skipped", "local"]
+# Values of the x-disagg-prefill response header ("failed": on the 503 of failure_policy fail).
+PrefillOutcome = Literal["remote", "fallback", "skipped", "local", "failed"]
 
 # Engine request ids: vLLM prefixes the X-Request-Id of a generate call with this.
 GENERATE_ID_PREFIX: Final = "generate-tokens-"

@@ -12,22 +12,26 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import requests
 from openai import OpenAI
 
+from disagg_operator.names import KV_REVISION
 from tests.cluster.real_node import node_pids, running
 from tests.harness.cluster import REAL_NODE, Cluster, ClusterError, RealNodeSession, host_state, node_script
 # The example's fixtures, shared with tests/e2e/test_cluster_scaling.py (which runs first).
 from tests.harness.cluster_tiny import MODEL, READY_TIMEOUT, Deployed, cluster_tiny, get, pods, ready, tiny  # noqa: F401
 from tests.harness.agent_apis import messages_views, responses_views
 from tests.harness.coupled import forced_views
+from tests.harness.pod_watch import PodWatch, Seen
 from tests.harness.request_stream import RequestStream
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
 POOLS = ("prefill", "decode", "render")
+CHAT_PATH = "/v1/chat/completions"
 
 
 def test_operator_is_a_real_pod_under_its_service_account(cluster: Cluster, tiny: Deployed) -> None:
@@ -184,33 +188,88 @@ def test_deleting_a_prefill_pod_under_a_request_stream_fails_no_request(
     assert all(c["restartCount"] == 0 for c in decode["status"]["containerStatuses"])
 
 
-def test_a_parser_flag_change_rolls_render_and_decode_but_not_prefill_without_a_failed_request(
-    cluster: Cluster, tiny: Deployed, forcer
+def _access_lines(seen: Seen) -> list[dict[str, Any]]:
+    """The sidecar's access lines of the client's chats (JSON lines, tests/sidecar/test_access_log.py)."""
+    lines = [json.loads(line) for line in seen.lines() if line.startswith("{")]
+    return [line for line in lines if line.get("logger") == "disagg_sidecar.access" and line["path"] == CHAT_PATH]
+
+
+def test_a_kv_relevant_change_rolls_every_pool_and_pairs_each_decode_pod_with_prefill_pods_of_its_revision(
+    cluster: Cluster, tiny: Deployed, forcer, tmp_path: Path
 ) -> None:
-    """Rolling updates surge one pod at a time; the old decode pod's sidecar keeps serving for its
-    deregister window with readiness off, drains, and vLLM beside it outlives that (its preStop hook
-    waits for /health/drained);
-    the old render pod's vLLM serves until its Service dropped it."""
+    """One patch changes the tool-call parser (render and decode parse; checked in the new pods'
+    args) and ``maxModelLen`` (KV-relevant: a new ``disagg.dev/kv-revision``), under a request
+    stream: render, prefill and decode roll, a surge pod at a time. Every prefill leg a decode
+    pod's sidecar logged (its access lines' ``prefill_endpoints``, read for the pod's whole life
+    with ``kubectl logs -f``) went to a prefill pod of the decode pod's own KV revision, decode pods
+    of both revisions served remotely prefilled requests, and no request failed. Rolling updates:
+    the old decode pod's sidecar keeps serving for its deregister window with readiness off,
+    drains, and vLLM beside it outlives that (its preStop hook waits for /health/drained); the old
+    render and prefill pods serve until their Services dropped them. That a non-KV change (the
+    parser alone) rolls no prefill pod is shown without pods: tests/operator/test_plan.py's
+    ``ROLLS`` and tests/operator/test_pairing.py's table; the Services a rollout pairs through,
+    against the control plane: tests/operator/test_cluster_pairing.py."""
     before = {pool: _uids(cluster, tiny.ns, pool) for pool in POOLS}
-    parser = "qwen3_xml"  # from hermes: render (which derenders too) and decode parse tool calls; prefill never
-    with RequestStream(tiny.url, forcer) as stream:
-        _served(stream, 4, "the stream before the change")
-        t0 = time.monotonic()
-        cluster.kubectl("patch", "dm", MODEL, "-n", tiny.ns, "--type=merge",
-                        "-p", json.dumps({"spec": {"model": {"toolCallParser": parser}}}))
-        for pool in ("render", "decode"):
-            cluster.wait_for(lambda: _replaced(cluster, tiny.ns, pool, before[pool]),
-                             f"every {pool} pod replaced", timeout=READY_TIMEOUT, interval=1)
-        cluster.wait_for(lambda: _model_ready(cluster, tiny.ns), f"{MODEL} Ready again", timeout=120, interval=1)
-        rolled = time.monotonic()
-        _served(stream, 4, "the stream after the rollout", since=rolled)
-    print(f"rollout (render + decode) in {rolled - t0:.0f}s: {stream.summary()}")
+    [old_decode] = pods(cluster, tiny.ns, "decode")
+    old_kv = old_decode["metadata"]["labels"][KV_REVISION]
+    parser, max_len = "qwen3_xml", 4096  # parser from hermes; 4096 from 8192, far above the stream's prompts
+    selector = f"app.kubernetes.io/instance={MODEL},app.kubernetes.io/component="
+    with PodWatch(cluster, tiny.ns, selector + "prefill", tmp_path / "prefill") as prefills, \
+            PodWatch(cluster, tiny.ns, selector + "decode", tmp_path / "decode", container="sidecar") as decodes:
+        with RequestStream(tiny.url, forcer) as stream:
+            _served(stream, 4, "the stream prefilled remotely before the change", prefill="remote")
+            t0 = time.monotonic()
+            cluster.kubectl("patch", "dm", MODEL, "-n", tiny.ns, "--type=merge", "-p", json.dumps(
+                {"spec": {"model": {"toolCallParser": parser, "maxModelLen": max_len}}}))
+            for pool in POOLS:
+                cluster.wait_for(lambda: _replaced(cluster, tiny.ns, pool, before[pool]),
+                                 f"every {pool} pod replaced", timeout=READY_TIMEOUT, interval=1)
+            cluster.wait_for(lambda: _model_ready(cluster, tiny.ns), f"{MODEL} Ready again", timeout=120, interval=1)
+            rolled = time.monotonic()
+            _served(stream, 4, "the new pods prefilling remotely after the rollout", since=rolled, prefill="remote")
+    print(f"rollout (render, prefill, decode) in {rolled - t0:.0f}s: {stream.summary()}")
     assert not stream.failed(), stream.summary()
-    assert _uids(cluster, tiny.ns, "prefill") == before["prefill"], "prefill was not rolled"
-    for pool in ("render", "decode"):
+    [new_decode] = pods(cluster, tiny.ns, "decode")
+    new_kv = new_decode["metadata"]["labels"][KV_REVISION]
+    assert new_kv != old_kv, "maxModelLen is KV-relevant: a new revision"
+
+    # Every prefill pod there was during the stream, by IP: its revision.
+    kv_of_ip: dict[str, set[str]] = {}
+    for seen in prefills.snapshot().values():
+        assert seen.ip, f"prefill pod {seen.name} never had an IP"
+        kv_of_ip.setdefault(seen.ip, set()).add(seen.labels[KV_REVISION])
+    assert {kv for kvs in kv_of_ip.values() for kv in kvs} == {old_kv, new_kv}
+    decoded = decodes.snapshot()
+    assert not [s.name for s in decoded.values() if not s.whole], (f"a decode pod's log not read to its end: "
+                                                                   f"{decodes.errors}")
+    assert {s.labels[KV_REVISION] for s in decoded.values()} == {old_kv, new_kv}
+    remote = dict.fromkeys((old_kv, new_kv), 0)
+    logged: dict[str, list[str]] = {}  # request id -> the decode pods whose sidecar answered it
+    crossed = []
+    for seen in decoded.values():
+        kv = seen.labels[KV_REVISION]
+        for line in _access_lines(seen):
+            logged.setdefault(line.get("request_id", ""), []).append(seen.name)
+            for endpoint in line.get("prefill_endpoints", ()):
+                host = urlsplit(endpoint).hostname or ""
+                if kv_of_ip.get(host) != {kv}:
+                    crossed.append((seen.name, kv, endpoint, kv_of_ip.get(host)))
+            remote[kv] += bool(line.get("prefill_endpoints"))
+    assert not crossed, f"prefill legs to a prefill pod of another (or no known) revision: {crossed}"
+    assert all(remote.values()), f"remotely prefilled requests per decode revision: {remote}"
+    # The logs are the whole story: every answered request of the stream is in exactly one of them.
+    answered = [a.request_id for a in stream.snapshot() if a.error is None]
+    assert answered and all(len(logged.get(rid or "", [])) == 1 for rid in answered), \
+        [rid for rid in answered if len(logged.get(rid or "", [])) != 1]
+    print(f"remotely prefilled per revision {remote}; prefill pods {kv_of_ip}; decode pods "
+          f"{ {s.name: s.labels[KV_REVISION] for s in decoded.values()} }")
+
+    for pool in POOLS:
         [pod] = pods(cluster, tiny.ns, pool)
         args = next(c for c in pod["spec"]["containers"] if c["name"] == "vllm")["args"]
-        assert args[args.index("--tool-call-parser") + 1] == parser
+        assert args[args.index("--max-model-len") + 1] == str(max_len)
+        if pool != "prefill":
+            assert args[args.index("--tool-call-parser") + 1] == parser
 
 
 def test_node_down_with_every_disagg_pod_running_leaves_nothing(

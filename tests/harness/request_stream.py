@@ -4,14 +4,16 @@ requests while pods are replaced underneath it.
 Each worker (one by default) sends one request at a time (batch and streamed in turn) with the
 openai SDK and no retries: a request counts as failed unless it answers 200 with exactly the
 forced text and ``finish_reason: stop`` (with ``max_tokens``: its first tokens and ``length``).
-Every answer records when it was sent and the sidecar's ``x-disagg-prefill`` outcome (remote,
-fallback, ...). A test with other requests and checks passes ``request`` (worker, number -> prefill
-outcome, error or None; raising counts as failed).
+Every answer records when it was sent, the ``X-Request-Id`` it carried (unique: the sidecar's
+access line names it) and the sidecar's ``x-disagg-prefill`` outcome (remote, fallback, ...). A test
+with other requests and checks passes ``request`` (worker, number -> prefill outcome, error or None;
+raising counts as failed).
 """
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ class Answer:
     sent: float  # time.monotonic()
     prefill: str | None  # the sidecar's prefill outcome header
     error: str | None = None
+    request_id: str | None = None  # the X-Request-Id it was sent with (None: a test's own ``request``)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class RequestStream:
     max_seconds: float = 1200.0
     request: Callable[[int, int], tuple[str | None, str | None]] | None = None
     answers: list[Answer] = field(default_factory=list)
+    _run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -100,23 +104,26 @@ class RequestStream:
         while not self._stop.is_set() and time.monotonic() < deadline and len(self.answers) < self.max_requests:
             n += 1
             sent = time.monotonic()
+            request_id = None if self.request is not None else f"stream-{self._run_id}-{worker}-{n}"
             try:
                 if self.request is not None:
                     prefill, error = self.request(worker, n)
                 else:
-                    prefill, text, finish = self._one(client, worker, n, stream=n % 2 == 0)
+                    prefill, text, finish = self._one(client, worker, n, request_id, stream=n % 2 == 0)
                     error = None if (text, finish) == (want, finish_want) else f"answer {text!r} finish {finish!r}"
             except Exception as exc:  # noqa: BLE001 - every failure is what the stream counts
                 prefill, error = None, f"{type(exc).__name__}: {exc}"[:300]
             with self._lock:
-                self.answers.append(Answer(sent, prefill, error))
+                self.answers.append(Answer(sent, prefill, error, request_id))
 
-    def _one(self, client: OpenAI, worker: int, n: int, stream: bool) -> tuple[str | None, str, str | None]:
+    def _one(self, client: OpenAI, worker: int, n: int, request_id: str | None,
+             stream: bool) -> tuple[str | None, str, str | None]:
         body = self.forcer.chat_body("plain")
         body["messages"][0]["content"] += f" Request {worker}.{n}:" + " and more words" * self.prompt_words
         kwargs: dict[str, Any] = {
             "model": body["model"], "messages": body["messages"], "max_tokens": self.max_tokens or body["max_tokens"],
-            "extra_body": {"vllm_xargs": body["vllm_xargs"], "chat_template_kwargs": body["chat_template_kwargs"]}}
+            "extra_body": {"vllm_xargs": body["vllm_xargs"], "chat_template_kwargs": body["chat_template_kwargs"]},
+            "extra_headers": {"X-Request-Id": request_id} if request_id else None}
         if not stream:
             raw = client.chat.completions.with_raw_response.create(**kwargs)
             choice = raw.parse().choices[0]

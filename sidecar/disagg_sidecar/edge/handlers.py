@@ -26,7 +26,7 @@ from disagg_sidecar.plan.request import RequestPlan, plan_request
 from disagg_sidecar import wire
 from disagg_sidecar.budget import Reservation
 from disagg_sidecar.errors import SidecarError, bad_request
-from disagg_sidecar.pipeline.context import Context
+from disagg_sidecar.pipeline.context import Context, request_context
 from disagg_sidecar.pipeline.flows import Flows
 from disagg_sidecar.keys import FLOWS, METRICS, SCRAPE, STATE, UPSTREAM
 from disagg_sidecar.logs import request_id_var
@@ -108,7 +108,8 @@ async def read_json(request: web.Request, reservation: Reservation) -> tuple[byt
 
 
 def context(request: web.Request, body: Any) -> Context:
-    """Request id, forwarded headers and the prefill target; the header checks run here."""
+    """Request id, forwarded headers and the prefill target; the header checks run here. The
+    access log reads it (``request_context``): where the request's prompt was prefilled."""
     ids = request.headers.getall(wire.REQUEST_ID, [])
     if len(ids) > 1 or (ids and not _REQUEST_ID.match(ids[0])):
         raise bad_request(f"{wire.REQUEST_ID} must be one value of 1-128 characters [A-Za-z0-9._:-]", wire.REQUEST_ID)
@@ -124,7 +125,9 @@ def context(request: web.Request, body: Any) -> Context:
         target = allowlist.select_prefill(request.headers.getall(wire.PREFILLER_HOST_PORT, []),
                                           request.app[UPSTREAM].pools["prefill"].endpoints(),
                                           state.config.prefill.pool_port)
-    return Context(request_id, headers, target, engine_id=engine_id)
+    ctx = Context(request_id, headers, target, engine_id=engine_id)
+    request_context.set(ctx)
+    return ctx
 
 
 async def _serve(request: web.Request, api: decisions.Api) -> web.StreamResponse:

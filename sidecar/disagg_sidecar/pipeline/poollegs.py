@@ -4,6 +4,8 @@ answer, or the failure after the retries, reaches the flow:
 - render, derender: a 200 answer's JSON; an engine's 4xx as it said it; else a 502/503;
 - prefill: the decode leg's ``kv_transfer_params``; a failure makes decode prefill the prompt itself
   (``failure_policy: fallback``, header ``x-disagg-prefill: fallback``) or is a 503 (``fail``).
+  The outcome, and the endpoint a successful leg used, go on the request's ``Context`` (its
+  header and access line read them there).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class PoolLegs:
             params, kv = self._kv(reply)
         except LegError as exc:
             if self.config.prefill.failure_policy == "fail":
-                self.metrics.prefill.labels("failed").inc()
+                self._count(ctx, "failed")
                 log.warning("prefill failed (failure_policy fail): %s", exc)
                 if exc.kind in BAD_ANSWERS or exc.kind == "budget":
                     bad = leg_failure(exc)
@@ -126,7 +128,7 @@ class PoolLegs:
         finally:
             if reply is not None and reply.charge is not None:
                 reply.charge.give_back()  # the answer is done with: its kv_transfer_params are read
-        self._count(ctx, "remote")
+        self._count(ctx, "remote", reply.url)
         return Prefilled(kv, cached_tokens(params))
 
     def _kv(self, reply: Reply) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -147,8 +149,12 @@ class PoolLegs:
             raise LegError("prefill", "invalid", reply.url, detail=str(exc)[:200]) from exc
         return (params if isinstance(params, dict) else None), kv
 
-    def _count(self, ctx: Context, outcome: wire.PrefillOutcome) -> None:
+    def _count(self, ctx: Context, outcome: wire.PrefillOutcome, endpoint: str | None = None) -> None:
+        """The outcome on the request (its header, its access line) and the metric; ``endpoint``:
+        the prefill endpoint the successful leg used (``Reply.url``, as discovery gave it)."""
         ctx.prefill_outcomes.add(outcome)
+        if endpoint is not None and endpoint not in ctx.prefilled_at:
+            ctx.prefilled_at.append(endpoint)
         self.metrics.prefill.labels(outcome).inc()
 
 

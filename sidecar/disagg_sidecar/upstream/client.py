@@ -70,8 +70,11 @@ class InFlight:
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, config: SidecarConfig, metrics: Metrics,
-                 render: EndpointPool, derender: EndpointPool, prefill: EndpointPool, tracing: Tracing | None = None):
+                 render: EndpointPool, derender: EndpointPool, prefill: EndpointPool, tracing: Tracing | None = None,
+                 fresh: aiohttp.ClientSession | None = None):
         self.session = session
+        # Connections used once: a retry after a disconnect goes over one (``call``).
+        self.fresh = fresh or session
         self.tracing = tracing or Tracing(None)  # a span per leg attempt when configured
         self.config = config
         self.metrics = metrics
@@ -101,13 +104,14 @@ class Upstream:
     # -- one attempt ---------------------------------------------------------------------------
 
     async def post(self, leg: Leg, url: str, path: str, body: bytes, headers: Mapping[str, str],
-                   held: Reservation | None = None) -> Reply:
-        """POST and read the whole answer (charged to ``held``); transport failures become ``LegError``."""
+                   held: Reservation | None = None, fresh: bool = False) -> Reply:
+        """POST and read the whole answer (charged to ``held``); transport failures become
+        ``LegError``. ``fresh``: over a new connection, not a pooled one."""
         started = time.monotonic()
         charge = Charge(held) if held is not None else None
         with self.tracing.leg(leg, url, path, headers) as (span, headers):
             try:
-                async with self.session.post(url + path, data=body, headers={**headers, **JSON_HEADERS},
+                async with (self.fresh if fresh else self.session).post(url + path, data=body, headers={**headers, **JSON_HEADERS},
                                              timeout=self.timeouts[leg], **NO_REDIRECTS) as resp:
                     span.answered(resp.status)
                     if is_redirect(resp.status):
@@ -133,7 +137,10 @@ class Upstream:
                    held: Reservation | None = None) -> Reply:
         """The leg on ``first`` (or a picked endpoint of its pool), retried elsewhere on failure;
         2xx/4xx returned, its answer charged to ``held``. An answer the memory budget cannot hold
-        is no endpoint's fault: no retry."""
+        is no endpoint's fault: no retry. A retry after a disconnect goes over a new connection:
+        the other pooled ones may lead to the same gone server (a Service's pod that was replaced:
+        kube-proxy sends only new connections to the current pods, and a steady stream of legs
+        keeps the old ones from ever idling out)."""
         pool = self.pools[leg]
         tried: list[str] = []
         error: LegError | None = None
@@ -153,7 +160,8 @@ class Upstream:
             reply: Reply | None = None
             try:
                 with pool.lease(url):
-                    reply = await self.post(leg, url, path, body, headers, held)
+                    reply = await self.post(leg, url, path, body, headers, held,
+                                            fresh=error is not None and error.kind == "disconnect")
             except LegError as exc:
                 if exc.kind == "budget":
                     if inflight is not None:
