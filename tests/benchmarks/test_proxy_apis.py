@@ -57,6 +57,7 @@ def test_each_api_gets_its_rows_and_keys_beside_chats() -> None:
             raw[kind][c] = {"direct": [d], "sidecar": [s]}
     run = [{"batch_cpu_s": 0.002}]
     cost = {"tokens": 64, "us_per_chunk": summary([40.0]), "us_per_chunk_upper": summary([45.0]),
+            "chat_shaped": {"runs": run, "us_per_chunk": summary([50.0])},
             "generate": {"runs": run, "us_per_chunk": summary([30.0])},
             "floor": {"runs": run, "us_per_chunk": summary([20.0])}}
     result = proxy.summarise(raw, cost)
@@ -72,6 +73,8 @@ def test_each_api_gets_its_rows_and_keys_beside_chats() -> None:
     assert keys["proxy_messages_stream_throughput_ratio_c16"] == pytest.approx(10.0 / 15.0)
     assert keys["proxy_throughput_ratio_c16"] == pytest.approx(10.0 / 13.0)
     assert not any("generate_added" in k for k in keys)
+    assert keys["sidecar_cpu_us_per_chunk"] == pytest.approx(40.0)
+    assert keys["sidecar_shaped_cpu_us_per_chunk"] == pytest.approx(50.0)
     table = "\n".join(_proxy(result))
     for kind in proxy.KINDS:
         assert f"| {kind} | 1 |" in table and f"| {kind} | 16 |" in table
