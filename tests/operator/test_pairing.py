@@ -58,7 +58,7 @@ def test_the_sidecar_discovers_only_prefill_pods_of_its_own_kv_revision() -> Non
     ({"model": {"maxModelLen": 8192}}, True),
     ({"model": {"engineArgs": ["--dtype", "bfloat16"]}}, True),
     ({"kvTransfer": {"extraConfig": {"backends": ["UCX", "GDS"]}}}, True),
-    ({"engine": {"gpuImage": "vllm/vllm-openai:v0.33.1"}}, True),
+    ({"engine": {"gpuImage": "vllm/vllm-openai:v0.34.1"}}, True),
     ({"pools": {"prefill": {"resources": {"requests": {"cpu": "2"}}}}}, False),  # size and placement: same KV
     ({"pools": {"prefill": {"replicas": 3}}}, False),
     ({"model": {"toolCallParser": "hermes"}}, False),  # decode-side parsing: prefill's KV unchanged

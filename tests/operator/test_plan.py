@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from disagg_operator import sidecar_config
 from disagg_operator.engine_args import Launcher
@@ -20,6 +22,7 @@ from tests.operator.builders import (
 from tests.operator.cases import merged
 
 NIXL = NixlConnector.side_channel
+REPO = Path(__file__).resolve().parents[2]
 
 def test_render_derender_and_decode_share_model_template_and_parser_flags() -> None:
     plan = plan_of(full_spec())
@@ -47,8 +50,8 @@ def test_tiers_get_their_launchers_images_and_role_flags() -> None:
     render, derender, decode, prefill = (plan.pool(r) for r in (Role.RENDER, Role.DERENDER, Role.DECODE, Role.PREFILL))
     assert argv(plan, Role.RENDER)[:3] == ["vllm", "launch", "render"]
     assert argv(plan, Role.DECODE)[:2] == argv(plan, Role.PREFILL)[:2] == ["vllm", "serve"]
-    assert render.image == derender.image == "ghcr.io/disagg/vllm-cpu:v0.33.0" and not render.gpu
-    assert decode.image == prefill.image == "vllm/vllm-openai:v0.33.0" and decode.gpu
+    assert render.image == derender.image == "ghcr.io/disagg/vllm-cpu:v0.34.0" and not render.gpu
+    assert decode.image == prefill.image == "vllm/vllm-openai:v0.34.0" and decode.gpu
     assert flags(argv(plan, Role.RENDER))["--renderer-num-workers"] == "8"
     assert flags(argv(plan, Role.DERENDER))["--renderer-num-workers"] == "16"
     assert "--enable-scale-out" in decode.vllm_args and "--enable-scale-out" in prefill.vllm_args
@@ -255,11 +258,11 @@ ROLLS = [
     ("router timeouts", {"router": {"timeouts": {"decodeSeconds": 60}}}, {"decode"}),
     ("session stream interval", {"router": {"sessionStreamInterval": 8}}, {"decode"}),  # its sidecar's limits
     ("sidecar image", {"router": {"image": "ghcr.io/disagg/disagg:v0.2.0"}}, {"decode"}),
-    ("cpu image", {"engine": {"cpuImage": "ghcr.io/disagg/vllm-cpu:v0.33.1"}}, {"render", "derender"}),
-    # decode: its sidecar's engine.derender_sessions
-    ("render extension", {"engine": {"renderExtension": False}}, {"render", "derender", "decode"}),
+    ("cpu image", {"engine": {"cpuImage": "ghcr.io/disagg/vllm-cpu:v0.34.1"}}, {"render", "derender"}),
+    # not decode: 0.34 has no derender sessions to come or go (where they do, decode rolls too: below)
+    ("render extension", {"engine": {"renderExtension": False}}, {"render", "derender"}),
     ("vllm version", {"engine": {"vllmVersion": "0.32.0"}}, {"decode"}),  # its sidecar's features
-    ("gpu image", {"engine": {"gpuImage": "vllm/vllm-openai:v0.33.1"}}, {"prefill", "decode"}),
+    ("gpu image", {"engine": {"gpuImage": "vllm/vllm-openai:v0.34.1"}}, {"prefill", "decode"}),
     ("cache claim", {"engine": {"cacheClaim": "engine-cache"}}, {"prefill", "decode", "render", "derender"}),
     ("kv extra config", {"kvTransfer": {"extraConfig": {"backends": ["UCX", "GDS"]}}}, {"prefill", "decode"}),
     ("decode resources", {"pools": {"decode": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}}, {"decode"}),
@@ -365,9 +368,30 @@ def test_the_derender_strategy_and_what_the_sidecar_may_ask_the_render_tier(
         is (renders > 0 and engine.get("renderExtension", True))
 
 
-def test_sessions_coming_or_going_roll_decode_with_the_render_tier() -> None:
-    on = plan_of(merged(full_spec(), {"engine": {"vllmVersion": "0.32.0"}}))
-    off = plan_of(merged(full_spec(), {"engine": {"vllmVersion": "0.32.0", "renderExtension": False}}))
+def test_a_model_without_a_version_gets_the_current_releases_images_features_and_strategy() -> None:
+    """The operator's default is vLLM 0.34.0 (the current release, its lane runs): a model that names no
+    engine gets 0.34's images, a sidecar that may ask a stock decode for streamed derender output, no
+    derender sessions, and stock-inline derender (examples/minimal.yaml)."""
+    spec = yaml.safe_load((REPO / "examples" / "minimal.yaml").read_text())["spec"]
+    assert "engine" not in spec
+    plan = plan_of(spec)
+    assert plan.spec.engine.vllm_version == "0.34.0"
+    assert plan.pool(Role.RENDER).image == "ghcr.io/disagg/vllm-cpu:v0.34.0"
+    assert plan.pool(Role.DECODE).image == plan.pool(Role.PREFILL).image == "vllm/vllm-openai:v0.34.0"
+    engine = sidecar_file(plan)["engine"]
+    assert engine["vllm_version"] == "0.34.0" and engine["extension"] is False
+    assert engine["features"] == {"generate_output_mode_derender": True, "generate_streaming_derender": True,
+                                  "render_parse_context": True, "derender_finish_reason": True}
+    assert engine["derender_sessions"] is False  # sessions are off on 0.34
+    assert plan.derender_strategy == "stock-inline"
+    assert "VLLM_PLUGINS" not in env(plan.pool(Role.DECODE))  # the stock GPU image: no extension asked for
+    assert env(plan.pool(Role.RENDER))["VLLM_PLUGINS"] == "disagg"  # Disagg's CPU image carries it
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_sessions_coming_or_going_roll_decode_with_the_render_tier(version: str) -> None:
+    on = plan_of(merged(full_spec(), {"engine": {"vllmVersion": version}}))
+    off = plan_of(merged(full_spec(), {"engine": {"vllmVersion": version, "renderExtension": False}}))
     changed = {str(p.role) for p in on.pools if p.config_hash != off.pool(p.role).config_hash}
     assert changed == {"decode", "render", "derender"}  # decode: its sidecar's engine.derender_sessions
     assert (on.derender_strategy, off.derender_strategy) == ("session", "stateless")

@@ -174,14 +174,17 @@ def test_an_autoscaled_pool_counts_what_the_hpa_asked_for() -> None:
     assert status["pools"]["render"]["replicas"] == 5
 
 
-@pytest.mark.parametrize(("engine", "strategy"), [({}, "session"), ({"renderExtension": False}, "stateless"),
-                                                  ({"extension": True}, "inline")])
+# The example runs vLLM 0.34 with a stock decode image: stock-inline; sessions need 0.32 or 0.33.
+@pytest.mark.parametrize(("engine", "strategy"), [
+    ({}, "stock-inline"), ({"renderExtension": False}, "stock-inline"), ({"extension": True}, "inline"),
+    ({"vllmVersion": "0.33.0"}, "session"), ({"vllmVersion": "0.33.0", "renderExtension": False}, "stateless")])
 def test_status_records_the_derender_strategy_and_a_change_of_it_is_a_patch(engine: dict, strategy: str) -> None:
     p = plan_of(merged(example_doc()["spec"], {"engine": engine}))
     status = compute_status(p, live_deployments(p), generation=2, previous=None, now=T0)
     assert status["derender"] == {"strategy": strategy}
     before = compute_status(plan(), live_deployments(plan()), generation=2, previous=None, now=T0)
-    assert status_patch(before, status).get("derender") == (None if strategy == "session" else {"strategy": strategy})
+    assert status_patch(before, status).get("derender") == (
+        None if strategy == "stock-inline" else {"strategy": strategy})
 
 
 @pytest.mark.parametrize(("version", "supported"), [("0.32.0", True), ("0.33.0", True), ("0.33.2", True),
