@@ -32,6 +32,7 @@ from disagg_engine.servers import free_port
 
 CONCURRENCY = (1, 16, 64)
 SHORT_TOKENS = 16
+CHUNK_STREAMS = 16  # streams at once for the per-chunk cost under load (a decode pod's many requests)
 CHUNK_GOAL_US, REQUEST_GOAL_MS = 50.0, 0.5  # the goals bench/RESULTS.md checks
 GENERATE = "/inference/v1/generate"
 CHAT = "/v1/chat/completions"
@@ -173,11 +174,14 @@ def per_chunk_cpu(ctx, sset, side, shaping, rounds: int) -> dict[str, Any]:
     written), for the same chat with each chunk parsed, checked and reshaped (``shaping``: the engine
     writes generate chunks) and for a GenerateRequest (passed through: each event parsed and
     checked), and the relay floor's for the same GenerateRequest (``benchmarks.relayfloor``: bytes
-    forwarded, nothing parsed). Sides alternate."""
+    forwarded, nothing parsed). Sides alternate. Each round also runs the relayed chat and the floor
+    with ``CHUNK_STREAMS`` streams at once (``concurrent``): a decode pod's regime, where one wake-up
+    of the sidecar relays the chunks of several streams."""
     tokens = ctx.sizes("chunk_tokens", 512)
     ids = plain_ids(tokens, ctx.tokenizer())
     render = sset.url("render") + "/v1/chat/completions/render"
     out: dict[str, list[dict[str, Any]]] = {"chat": [], "chat_shaped": [], "generate": [], "floor": []}
+    concurrent: dict[str, list[dict[str, Any]]] = {"chat": [], "floor": []}
     with relay_floor(sset.url("decode")) as (floor, floor_pid):
         sides = {"chat": (side.url + CHAT, side.proc.pid), "chat_shaped": (shaping.url + CHAT, shaping.proc.pid),
                  "generate": (side.url + GENERATE, side.proc.pid), "floor": (floor + GENERATE, floor_pid)}
@@ -193,10 +197,20 @@ def per_chunk_cpu(ctx, sset, side, shaping, rounds: int) -> dict[str, Any]:
                 out[name].append({"chunks": chunks, "stream_cpu_s": stream_cpu, "batch_cpu_s": batch_cpu,
                                   "us_per_chunk": 1e6 * (stream_cpu - batch_cpu) / chunks,
                                   "us_per_chunk_upper": 1e6 * stream_cpu / chunks})
+            for name in (list(concurrent) if r % 2 == 0 else list(concurrent)[::-1]):
+                url, pid = sides[name]
+                batch, stream = chats if name == "chat" else gens
+                _, _, batch_cpu = timed(url, [batch] * CHUNK_STREAMS, CHUNK_STREAMS, pid)
+                samples, _, stream_cpu = timed(url, [stream] * CHUNK_STREAMS, CHUNK_STREAMS, pid)
+                chunks = sum(s.chunks for s in samples)
+                concurrent[name].append({"chunks": chunks, "stream_cpu_s": stream_cpu, "batch_cpu_s": batch_cpu,
+                                         "us_per_chunk": 1e6 * (stream_cpu - batch_cpu) / chunks})
     result = {"tokens": tokens, "runs": out["chat"], "us_per_chunk": summary([o["us_per_chunk"] for o in out["chat"]]),
               "us_per_chunk_upper": summary([o["us_per_chunk_upper"] for o in out["chat"]])}
     for name in ("chat_shaped", "generate", "floor"):
         result[name] = {"runs": out[name], "us_per_chunk": summary([o["us_per_chunk"] for o in out[name]])}
+    result["concurrent"] = {"streams": CHUNK_STREAMS, **{
+        name: {"runs": runs, "us_per_chunk": summary([o["us_per_chunk"] for o in runs])} for name, runs in concurrent.items()}}
     return result
 
 
@@ -241,6 +255,9 @@ def summarise(raw, chunk_cost: dict[str, Any]) -> dict[str, Any]:
         "sidecar_generate_cpu_us_per_chunk": chunk_cost["generate"]["us_per_chunk"]["median"],
         "relay_floor_cpu_us_per_chunk": chunk_cost["floor"]["us_per_chunk"]["median"],
     })
+    if many := chunk_cost.get("concurrent"):  # runs before it was measured have none
+        keys[f"sidecar_cpu_us_per_chunk_c{many['streams']}"] = many["chat"]["us_per_chunk"]["median"]
+        keys[f"relay_floor_cpu_us_per_chunk_c{many['streams']}"] = many["floor"]["us_per_chunk"]["median"]
     return {"keys": keys, "table": table, "chunk_cost": chunk_cost}
 
 

@@ -109,6 +109,10 @@ def _proxy(r: dict[str, Any]) -> list[str]:
                   f"this stack on this machine) {fmt_spread(cc['floor']['us_per_chunk'], 1)} µs. The same answer in "
                   f"one piece, CPU per request: sidecar {fmt_spread(summary([1e3 * x['batch_cpu_s'] for x in cc['generate']['runs']]))} ms, "
                   f"floor {fmt_spread(summary([1e3 * x['batch_cpu_s'] for x in cc['floor']['runs']]))} ms."]
+    if many := cc.get("concurrent"):  # runs before it was measured have none
+        lines += ["", f"With {many['streams']} such streams at once (a decode pod's regime: one wake-up of the sidecar "
+                  f"relays the chunks of several streams), per chunk: the relayed chat "
+                  f"{fmt_spread(many['chat']['us_per_chunk'], 1)} µs, the floor {fmt_spread(many['floor']['us_per_chunk'], 1)} µs."]
     if prof := r.get("profile"):
         if "error" in prof:
             lines += ["", f"Profile: {prof['error']}"]

@@ -59,7 +59,9 @@ def test_each_api_gets_its_rows_and_keys_beside_chats() -> None:
     cost = {"tokens": 64, "us_per_chunk": summary([40.0]), "us_per_chunk_upper": summary([45.0]),
             "chat_shaped": {"runs": run, "us_per_chunk": summary([50.0])},
             "generate": {"runs": run, "us_per_chunk": summary([30.0])},
-            "floor": {"runs": run, "us_per_chunk": summary([20.0])}}
+            "floor": {"runs": run, "us_per_chunk": summary([20.0])},
+            "concurrent": {"streams": 16, "chat": {"runs": run, "us_per_chunk": summary([25.0])},
+                           "floor": {"runs": run, "us_per_chunk": summary([15.0])}}}
     result = proxy.summarise(raw, cost)
     keys = result["keys"]
     assert keys["proxy_added_p50_ms_c1"] == pytest.approx(3.0)
@@ -75,6 +77,9 @@ def test_each_api_gets_its_rows_and_keys_beside_chats() -> None:
     assert not any("generate_added" in k for k in keys)
     assert keys["sidecar_cpu_us_per_chunk"] == pytest.approx(40.0)
     assert keys["sidecar_shaped_cpu_us_per_chunk"] == pytest.approx(50.0)
+    assert keys["sidecar_cpu_us_per_chunk_c16"] == pytest.approx(25.0)
+    assert keys["relay_floor_cpu_us_per_chunk_c16"] == pytest.approx(15.0)
     table = "\n".join(_proxy(result))
+    assert "With 16 such streams at once" in table and "25.0" in table
     for kind in proxy.KINDS:
         assert f"| {kind} | 1 |" in table and f"| {kind} | 16 |" in table
