@@ -34,7 +34,7 @@ from tests.harness.request_stream import RequestStream
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e]
 
 INTERVAL = 5  # the shortest the rules allow
-DOWN_WINDOW = 30
+DOWN_WINDOW = 20
 MAX = 2  # per pool: each vLLM pod takes about 1 GB
 RATIO = (0.5, 1.0)  # prefill pods per decode pod
 # Under the load here the prefill engines' TTFT p90 reads 0.07 s and the decode engines' ITL p90 0.009 s
