@@ -3,7 +3,8 @@ streamed through coupled vLLM, the sidecar with inline derender (decode runs the
 sidecar chained to the derender tier's stateless endpoint (stock decode) with and without
 coalescing, and the sidecar chained through a derender session on the render tier (stock decode;
 the render server runs the extension); on the vLLM 0.34 lane, its coupled server and the sidecar
-in front of its stock decode engine, which derenders its own stream (``stock-inline``).
+in front of its stock decode engine, which derenders its own stream (``stock-inline``), also with
+``STOCK_STREAMS`` streams at once.
 
 Per path and n: CPU of every non-engine process (vLLM API servers by pid, the sidecar, render),
 bytes and calls between the sidecar and the render/derender tier (a counting pass-through), the
@@ -31,7 +32,13 @@ PATHS = ("coupled", "inline", "chained", "chained_nocoalesce", "session", "sessi
 # parse_context, as the operator configures a 0.34 model without the extension.
 STOCK_LANE, STOCK_VERSION = "0.34", "0.34.0"
 STOCK_PATHS = ("coupled_034", "stock_inline")
-REFERENCE = {"coupled": None, "coupled_034": None, "stock_inline": "coupled_034"}  # the rest: "coupled"
+# The same pair with STOCK_STREAMS streams at once at the longest n: a decode pod's regime, where one
+# wake-up of the sidecar relays the chunks of several streams.
+STOCK_STREAMS = 8
+STOCK_CONCURRENT = {f"{path}_x{STOCK_STREAMS}": path for path in STOCK_PATHS}  # path -> the single stream's
+REFERENCE = {"coupled": None, "coupled_034": None, "stock_inline": "coupled_034",
+             **{many: None if one == "coupled_034" else f"coupled_034_x{STOCK_STREAMS}"
+                for many, one in STOCK_CONCURRENT.items()}}  # the rest: "coupled"
 DERENDER = ("/v1/chat/completions/derender", CHAT_SESSION_PATH)  # stateless calls, sessions
 LOCAL_PREFILL = {"mode": "local", "discovery": None}
 # One derender call per token is slow (~10 ms of render CPU each here, more as n grows): longer
@@ -85,6 +92,8 @@ def run(ctx) -> dict[str, Any]:
     stock_lengths = [n for n in lengths if n <= max_output_tokens(ctx.lane_servers(STOCK_LANE))]
     for name in STOCK_PATHS:
         rows[name] = {n: [] for n in stock_lengths}
+    for name in STOCK_CONCURRENT:
+        rows[name] = {key_length(stock_lengths): []}
     run_stock(ctx, stock_lengths, rounds, bodies, floor, rows, mismatches)
     return summarise(rows, lengths, mismatches)
 
@@ -113,6 +122,33 @@ def run_stock(ctx, lengths: list[int], rounds: int, bodies: dict[int, dict], flo
                         url, pids = target[name]
                         want = measure(ctx, f"r{r} n={n} {name}", url, pids, bodies[n], floor[n], tier_proxy,
                                        rows[name][n], want, mismatches)
+                n = key_length(lengths)
+                for name, side in STOCK_CONCURRENT.items():
+                    url, pids = target[side]
+                    measure_many(ctx, f"r{r} n={n} {name}", url, pids, bodies[n], floor[n], tier_proxy, rows[name][n])
+
+
+def measure_many(ctx, label: str, url: str, pids: dict[str, int], body: dict, floor: int, tier_proxy: Any,
+                 out: list[dict[str, float]]) -> None:
+    """``STOCK_STREAMS`` copies of one streamed request to ``url`` at once: their chunks, bytes and
+    calls, and the processes' CPU, together (the answer is the single stream's, compared there)."""
+    meter = CpuMeter(pids)
+    tier_proxy.calls.clear()
+    meter.start()
+    samples = run_load(url + "/v1/chat/completions", [body] * STOCK_STREAMS, STOCK_STREAMS)
+    cpu = meter.stop()
+    if bad := [s for s in samples if not s.ok]:
+        raise RuntimeError(f"{label}: {bad[0].error}")
+    moved = traffic(tier_proxy.calls)
+    derender = [p for p in DERENDER if p in moved["calls"]]
+    out.append({"wall_s": max(s.latency for s in samples), "chunks": sum(s.chunks for s in samples),
+                "max_gap_s": max((g for s in samples for g in s.gaps), default=0.0),
+                "cpu_total_s": sum(cpu.values()), **{f"cpu_{k}_s": v for k, v in cpu.items()},
+                "derender_calls": sum(moved["calls"][p] for p in derender),
+                "bytes_to_derender": sum(moved["bytes_out"][p] for p in derender),
+                "bytes_from_derender": sum(moved["bytes_in"][p] for p in derender),
+                "bytes_render_leg": 0, "bytes_floor": STOCK_STREAMS * floor})
+    ctx.log(f"derender {label}: {STOCK_STREAMS} streams, chunks {out[-1]['chunks']} cpu {sum(cpu.values()):.2f}s")
 
 
 def measure(ctx, label: str, url: str, pids: dict[str, int], body: dict, floor: int, tier_proxy: Any,
@@ -148,6 +184,11 @@ def measure(ctx, label: str, url: str, pids: dict[str, int], body: dict, floor: 
     ctx.log(f"derender {label}: wall {s.latency:.2f}s chunks {s.chunks} cpu {sum(cpu.values()):.2f}s "
             f"calls {moved['calls']}")
     return want
+
+
+def key_length(lengths: list[int]) -> int:
+    """The n the goals' keys are measured at: 4,096, or the longest when a run has no 4,096."""
+    return 4096 if 4096 in lengths else max(lengths)
 
 
 def bytes_growth(by_n: dict[int, dict[str, Any]]) -> float:
@@ -188,7 +229,7 @@ def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[
                 table[path][n]["chunks_ratio"] = paired_ratios([r["chunks"] for r in runs],
                                                                [r["chunks"] for r in coupled])
     keys: dict[str, float] = {}
-    n = 4096 if 4096 in lengths else max(lengths)
+    n = key_length(lengths)
 
     def med(path: str, field: str) -> float:
         return table.get(path, {}).get(n, {}).get(field, {}).get("median", float("nan"))
@@ -209,5 +250,7 @@ def summarise(rows: dict[str, dict[int, list[dict[str, float]]]], lengths: list[
     keys[f"stock_inline_cpu_ratio_{n}"] = med("stock_inline", "cpu_ratio")
     keys[f"stock_inline_chunks_ratio_{n}"] = med("stock_inline", "chunks_ratio")
     keys[f"stock_inline_derender_calls_{n}"] = med("stock_inline", "derender_calls")
+    keys[f"stock_inline_x{STOCK_STREAMS}_cpu_ratio_{n}"] = med(f"stock_inline_x{STOCK_STREAMS}", "cpu_ratio")
+    keys[f"stock_inline_x{STOCK_STREAMS}_chunks_ratio_{n}"] = med(f"stock_inline_x{STOCK_STREAMS}", "chunks_ratio")
     return {"keys": keys, "lengths": lengths, "nocoalesce_max": NOCOALESCE_MAX, "table": table, "mismatches": mismatches,
             "outputs_equal_coupled": not mismatches}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 
-from benchmarks.derender import bytes_growth
+from benchmarks.derender import bytes_growth, summarise
 from benchmarks.goals import Goal, check_all
 from benchmarks.prefix import share_cap
 from benchmarks.profile import collapsed_top
@@ -53,6 +53,20 @@ def test_bytes_growth_tells_linear_from_quadratic() -> None:
     assert bytes_growth(table(lambda n: 300 * n)) == 1.0
     assert bytes_growth(table(lambda n: n * n)) == 16.0
     assert math.isnan(bytes_growth({256: {"bytes_to_derender": {"median": 1.0}}}))
+
+
+def test_the_concurrent_stock_rows_are_ratios_to_coupled_with_as_many_streams() -> None:
+    def row(cpu: float, chunks: int, api: float | None = None) -> dict[str, float]:
+        return {"wall_s": 1.0, "chunks": chunks, "max_gap_s": 0.1, "cpu_total_s": cpu, "cpu_api_s": cpu if api is None else api,
+                "derender_calls": 0, "bytes_to_derender": 0, "bytes_from_derender": 0, "bytes_render_leg": 0,
+                "bytes_floor": 1}
+    rows = {"coupled": {4096: [row(2.0, 4000)]}, "coupled_034": {4096: [row(2.0, 4000)]},
+            "stock_inline": {4096: [row(3.0, 4000, api=2.0)]},
+            "coupled_034_x8": {4096: [row(10.0, 32000)]}, "stock_inline_x8": {4096: [row(11.0, 31000, api=10.0)]}}
+    keys = summarise(rows, [256, 4096], [])["keys"]
+    assert keys["stock_inline_cpu_ratio_4096"] == 1.5
+    assert keys["stock_inline_x8_cpu_ratio_4096"] == 1.1  # against coupled's 8 streams, not its one
+    assert keys["stock_inline_x8_chunks_ratio_4096"] == 31000 / 32000
 
 
 def test_footprint_settles_only_without_clients_requests_or_extra_threads() -> None:
