@@ -1,12 +1,16 @@
-"""The release table (disagg_sidecar.vllm_releases): version parsing, rows, the conservative row, README."""
+"""The release table (disagg_sidecar.vllm_releases): version parsing, rows, the conservative row, README,
+docs/protocol.md §1's table of differences."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
 from disagg_sidecar import vllm_releases as releases
+from disagg_sidecar.config import EngineFeatures
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,6 +53,27 @@ def test_the_window_is_current_previous_and_the_main_lane() -> None:
 def test_readme_names_the_supported_releases_of_the_table() -> None:
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert releases.supported_line() in readme
+
+
+def _protocol_differences() -> list[list[str]]:
+    """docs/protocol.md §1's table of the vLLM differences Disagg handles, as rows of cells."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    section = text[text.index("## 1. Processes and tiers"):text.index("## 2. ")]
+    start = section.index("| | 0.32 |")
+    lines = section[start:].split("\n\n", 1)[0].splitlines()
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines if not line.startswith("|---")]
+
+
+def test_the_protocol_table_has_a_column_per_release_and_cites_what_exists() -> None:
+    header, *rows = _protocol_differences()
+    assert header == ["", *(r.name for r in releases.RELEASES), "Disagg"]
+    assert rows and all(len(row) == len(header) for row in rows), [row[0] for row in rows if len(row) != len(header)]
+    text = " ".join(cell for row in rows for cell in row)
+    cited_fields = set(re.findall(r"release table `(\w+)`", text))
+    cited_features = set(re.findall(r"feature `(\w+)`", text))
+    assert cited_fields and cited_features
+    assert cited_fields <= {f.name for f in dataclasses.fields(releases.Release)}
+    assert cited_features <= set(EngineFeatures.model_fields)
 
 
 # --- stream_state windows and parse_context across releases ---------------------------------------
