@@ -160,7 +160,8 @@ class Decoder:
                      writer: SSEWriter, shaper: Shaper, client: shapes.Shape | None = None) -> Any:
         """Stream one prompt's decode leg to the client; returns its usage (sent by the caller).
         With ``client`` (``DecodePlan.client_chunks``), the engine is asked to write the client's
-        own chunks, and each event that is one goes to the client as the engine wrote it."""
+        own chunks (chat's or completions', as the plan's chain names the API), and each event that
+        is one goes to the client as the engine wrote it."""
         min_tokens = decisions.tokens_per_derender_call(max_tokens_of(gen), choices_of(gen), stream_call.call_bytes,
                                                         self.config.limits.derender_stream_bytes)
         api = plan.decode.chain or "chat"  # the API whose chunks these are
