@@ -44,7 +44,10 @@ def generate_capabilities(serving, args) -> dict[str, Any]:
         "output_modes": modes,
         "streaming_output_modes": modes,
         "derender_context_forms": ["chat_request", "parse_context"] if derender else [],
-        "client_streams": derender,  # a streamed derender writes the client's chunks (``ClientStream``)
+        # The APIs whose client chunks a stream can write (``ClientStream``): chat's from a streamed
+        # derender, completions' from a streamed text. The first version said ``true`` for chat alone.
+        "client_streams": (["chat"] if derender else [])
+        + (["completions"] if tokenizer and getattr(serving, "completion", None) is not None else []),
         "tokenizer": tokenizer,
         "parser_configured": chat_parser_configured(getattr(serving, "chat", None)),
         **configured_parsers(args),

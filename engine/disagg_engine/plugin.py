@@ -46,6 +46,7 @@ class DisaggEndpointPlugin:
             return  # scale-out disabled
         serving = subclass_serving_tokens(base, DisaggServingTokens)
         serving.chat = getattr(state, "openai_serving_chat", None)
+        serving.completion = getattr(state, "openai_serving_completion", None)
         serving.live_derender_requests = 0
         state.disagg_serving_tokens = serving
         state.disagg_capabilities = generate_capabilities(serving, args)

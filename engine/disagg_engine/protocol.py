@@ -17,18 +17,26 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from disagg_engine.vllm_compat import ChatCompletionRequest, GenerateRequest, ParseContext, empty_chat_request
+from disagg_engine.vllm_compat import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ParseContext,
+    empty_chat_request,
+)
 
 OutputMode = Literal["tokens", "text", "derender"]
 
 
 class ClientStream(BaseModel):
-    """What a streamed ``derender``'s chunks need to be the client's own: the chat stream's header
-    (``id``, ``created``, ``model`` as the client's endpoint names them), whether the client asked
-    for token ids, and the prompt's cached tokens where the caller knows them better (a prefill
-    engine's cache hits). With it, each chunk is written exactly as ``/v1/chat/completions`` writes
-    it for the client, so a proxy can relay the bytes (docs/protocol.md §2)."""
+    """What a stream's chunks need to be the client's own: the client's API (``chat``: a streamed
+    ``derender``; ``completions``: a streamed ``text``), the stream's header (``id``, ``created``,
+    ``model`` as the client's endpoint names them), whether the client asked for token ids, and the
+    prompt's cached tokens where the caller knows them better (a prefill engine's cache hits). With
+    it, each chunk is written exactly as ``/v1/chat/completions`` (``/v1/completions``) writes it
+    for the client, so a proxy can relay the bytes (docs/protocol.md §2)."""
 
+    api: Literal["chat", "completions"] = "chat"  # absent: chat, the only API of the first version
     id: str
     created: int
     model: str
@@ -58,8 +66,12 @@ class DisaggGenerateRequest(GenerateRequest):
                 f"chat_request is only read with output_mode='derender' (got {self.output_mode!r}); "
                 "drop chat_request or set output_mode='derender'"
             )
-        if self.client_stream is not None and (self.output_mode != "derender" or not self.stream):
+        client = self.client_stream
+        if client is not None and client.api == "chat" and (self.output_mode != "derender" or not self.stream):
             raise ValueError("client_stream is only read with output_mode='derender' and stream=true")
+        if client is not None and client.api == "completions" and (self.output_mode != "text" or not self.stream):
+            raise ValueError("client_stream with api='completions' is only read with output_mode='text' and "
+                             "stream=true")
         return self
 
     @model_validator(mode="after")
@@ -108,4 +120,21 @@ class DisaggGenerateRequest(GenerateRequest):
             # generate choices always carry token_ids; a client's chunks as the client asked
             "return_token_ids": self.client_stream.return_token_ids if self.client_stream else True,
             "echo": False,
+        })
+
+    def completion_context(self) -> CompletionRequest:
+        """The client's completions request as vLLM's completions stream generator reads it for
+        one prompt (``client_stream`` with ``api='completions'``): ``n``, ``max_tokens``, logprobs and
+        stream options as the engine runs them, token ids as the client asked, no echo (the prompt's
+        text is not the engine's to write)."""
+        sp = self.sampling_params
+        return CompletionRequest.model_validate({
+            "prompt": list(self.token_ids),
+            "n": sp.n,
+            "max_tokens": sp.max_tokens,
+            "stream": True,
+            "stream_options": self.stream_options.model_dump() if self.stream_options is not None else None,
+            "return_token_ids": bool(self.client_stream and self.client_stream.return_token_ids),
+            "echo": False,
+            "logprobs": sp.logprobs,
         })

@@ -10,11 +10,14 @@ such a request as ``text`` (``DisaggGenerateRequest.for_extension``): vLLM 0.33 
 ``derender`` itself. What vLLM does itself stays vLLM's (``vllm_compat``): a batch ``derender``
 with ``parse_context`` from 0.33 on, a streamed one from 0.34 on; the extension keeps the
 ``chat_request`` form, ``client_stream`` and, before 0.34, the streamed ``parse_context`` one.
+A streamed ``text`` request with ``client_stream`` (``api='completions'``) feeds vLLM's own
+``/v1/completions`` stream generator instead of the generate one: each chunk is then the client's
+``text_completion`` chunk as the coupled endpoint writes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -27,6 +30,7 @@ from disagg_engine.vllm_compat import (
     ChatCompletionResponse,
     ErrorResponse,
     OpenAIServingChat,
+    OpenAIServingCompletion,
     ServingTokens,
     chat_parser_configured,
     chat_with_history,
@@ -39,9 +43,14 @@ class DisaggServingTokens(ServingTokens):
     """vLLM's ``ServingTokens`` with the ``derender`` level added (see ``vllm_compat``)."""
 
     chat: OpenAIServingChat | None = None
+    completion: OpenAIServingCompletion | None = None
     live_derender_requests: int = 0
 
     async def serve_tokens(self, request: DisaggGenerateRequest, raw_request=None):
+        client = request.client_stream
+        if client is not None and client.api == "completions" and self.completion is None:
+            return self.create_error_response(
+                "client_stream with api='completions' needs the completions endpoint on this server")
         if request.output_mode != "derender" or not self.has_tokenizer:
             return await super().serve_tokens(request, raw_request)  # vLLM's checks name the mode
         if (error := self._check_derender(request)) is not None:
@@ -107,6 +116,10 @@ class DisaggServingTokens(ServingTokens):
     async def serve_tokens_stream_generator(self, request, result_generator, request_id, model_name, request_metadata,
                                             **kwargs):
         # kwargs: what vLLM passes beside (0.34: `processors`, None for our `text` copy); forwarded as is.
+        if request.client_stream is not None and request.client_stream.api == "completions":
+            async for event in self._client_completions(request, result_generator, request_metadata):
+                yield event
+            return
         if not request._derender:
             async for event in super().serve_tokens_stream_generator(
                     request, result_generator, request_id, model_name, request_metadata, **kwargs):
@@ -130,3 +143,30 @@ class DisaggServingTokens(ServingTokens):
                 yield f"data: {chunk}\n\n"
             else:
                 yield f"data: {shapes.derender_stream_event(payload, request_id)}\n\n"
+
+    async def _client_completions(self, request: DisaggGenerateRequest, result_generator: AsyncGenerator,
+                                  request_metadata) -> AsyncGenerator[str, None]:
+        """The client's ``text_completion`` chunks (``ClientStream``, ``api='completions'``): vLLM's
+        completions stream generator under the client's header, fed the engine's outputs as the
+        coupled endpoint feeds it one prompt's; only the prompt's cached tokens are patched in."""
+        client = request.client_stream
+        assert client is not None and self.completion is not None
+        outputs = _one_prompt(result_generator)
+        events = self.completion.completion_stream_generator(
+            request.completion_context(), [{"prompt_token_ids": list(request.token_ids)}], outputs, client.id,
+            client.created, client.model, 1, self.completion.renderer.tokenizer, request_metadata)
+        async with aclosing(outputs), aclosing(events):  # closed with this one: vLLM aborts at once
+            async for event in events:
+                if client.cached_tokens is not None and event.startswith("data: {"):
+                    event = f"data: {shapes.with_cached_tokens(event[6:].strip(), client.cached_tokens)}\n\n"
+                yield event
+
+
+async def _one_prompt(outputs: AsyncGenerator) -> AsyncIterator[tuple[int, Any]]:
+    """The engine's outputs as the completions generator takes a request's: (prompt index, output),
+    without the KV connector's parameters (a coupled server has no connector: 0.33 on writes them
+    into the last chunk)."""
+    async with aclosing(outputs):
+        async for out in outputs:
+            out.kv_transfer_params = None
+            yield 0, out

@@ -67,9 +67,13 @@ def client_stream_event(payload: str, id: str, created: int, model: str, cached_
     head = ('{"id":' + json.dumps(id, ensure_ascii=False) + ',"object":"chat.completion.chunk","created":'
             + str(created) + ',"model":' + json.dumps(model, ensure_ascii=False))
     out = head + payload[choices:]
-    if cached_tokens is not None:
-        out = _CACHED.sub(lambda m: m.group(1) + str(cached_tokens), out)
-    return out
+    return with_cached_tokens(out, cached_tokens) if cached_tokens is not None else out
+
+
+def with_cached_tokens(payload: str, cached_tokens: int) -> str:
+    """A serialized chunk with its usage's ``prompt_tokens_details.cached_tokens`` (where vLLM
+    reports details) set to ``cached_tokens``; every other byte as it was."""
+    return _CACHED.sub(lambda m: m.group(1) + str(cached_tokens), payload)
 
 
 def derender_response(chat: dict[str, Any], request_id: str, created: int | None = None) -> dict[str, Any]:

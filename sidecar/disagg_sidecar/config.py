@@ -170,9 +170,15 @@ class Capabilities(Model):
     derender_context_forms: tuple[Literal["chat_request", "parse_context"], ...] = ("chat_request",)
     parser_configured: bool = Field(
         True, description="The engine runs a reasoning/tool parser: chat text then needs derender, not text.")
-    client_streams: bool = Field(
-        False, description="A streamed derender can be asked to write the client's own chat chunks "
-        "(`client_stream`), which the sidecar then relays as bytes.")
+    client_streams: tuple[wire.ClientStreamApi, ...] = Field(
+        (), description="The APIs whose own chunks a decode stream can be asked to write (`client_stream`: "
+        "chat from a streamed derender, completions from a streamed text), which the sidecar then relays as "
+        "bytes; `true` (the first extension's word) is chat alone, `false` none.")
+
+    @field_validator("client_streams", mode="before")
+    @classmethod
+    def _client_streams(cls, value: Any) -> Any:
+        return (("chat",) if value else ()) if isinstance(value, bool) else value
 
 
 class Decode(Model):

@@ -6,6 +6,9 @@ OutputMode = Literal["tokens", "text", "derender"]
 OUTPUT_MODES: Final = ("tokens", "text", "derender")
 # How the decode leg carries the parser context for output mode "derender" (the field it goes in).
 ContextForm = Literal["chat_request", "parse_context"]
+# The APIs whose client chunks a decode stream can write (``client_stream.api``).
+ClientStreamApi = Literal["chat", "completions"]
+CLIENT_STREAM_APIS: Final = ("chat", "completions")
 
 # vLLM scale-out paths.
 CHAT_RENDER: Final = "/v1/chat/completions/render"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from disagg_engine.shapes import client_stream_event, derender_stream_chunk, derender_stream_event
+from disagg_engine.shapes import client_stream_event, derender_stream_chunk, derender_stream_event, with_cached_tokens
 from disagg_sidecar.derender.shapes import Shape
 
 RID = "generate-tokens-chatcmpl-0123456789abcdef"
@@ -109,3 +109,67 @@ def test_a_client_stream_event_is_the_clients_chunk_as_vllm_writes_it(made: Made
 def test_a_client_stream_passes_errors_unchanged() -> None:
     error = json.dumps({"error": {"message": "boom", "type": "InternalServerError", "code": 500}})
     assert client_stream_event(error, "chatcmpl-x", 1, "m", 3) == error
+
+
+# -- completions: vLLM's own completions stream chunks, the cached tokens patched in --------------
+
+COMPLETION_NAMES = ["text", "first_with_ids", "stop_string", "continuous_usage", "final_usage",
+                    "final_usage_with_cached", "text_that_looks_like_usage"]
+
+
+@pytest.fixture(scope="module")
+def made_completions() -> Made:
+    """Completions stream chunks as vLLM's completions stream generator serializes them for the
+    client (its id, created, model), with a given cached-token count in the final usage."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+    from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
+
+    def make(id: str = "cmpl-bytes-1", created: int = 1795965796, model: str = "tiny-qwen3",
+             cached: int = 0) -> dict[str, str]:
+        def choice(text: str, usage: UsageInfo | None = None, **extra) -> str:
+            # As the generator builds each chunk: every choice field given, usage set only when continuous.
+            fields = {"index": 0, "finish_reason": None, "stop_reason": None, "prompt_token_ids": None,
+                      "token_ids": None, **extra}
+            chunk = CompletionStreamResponse(id=id, object="text_completion", created=created, model=model,
+                                             choices=[CompletionResponseStreamChoice(text=text, logprobs=None,
+                                                                                     **fields)])
+            if usage is not None:
+                chunk.usage = usage
+            return chunk.model_dump_json(exclude_unset=True)
+
+        def final(details: bool) -> str:
+            usage = UsageInfo(prompt_tokens=12, completion_tokens=3, total_tokens=15)
+            if details:
+                usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached)
+            chunk = CompletionStreamResponse(id=id, created=created, model=model, choices=[], usage=usage)
+            return chunk.model_dump_json(exclude_unset=False, exclude_none=True)
+
+        table = {
+            "text": choice("Grüße 🦙"),
+            "first_with_ids": choice("The", index=1, prompt_token_ids=[1, 2, 3], token_ids=[785]),
+            "stop_string": choice(" is", finish_reason="stop", stop_reason="is Par"),
+            "continuous_usage": choice(" Paris", usage=UsageInfo(prompt_tokens=12, completion_tokens=2,
+                                                                  total_tokens=14)),
+            "final_usage": final(details=False),
+            "final_usage_with_cached": final(details=True),
+            "text_that_looks_like_usage": choice('"prompt_tokens_details":{"cached_tokens":3}'),
+        }
+        assert list(table) == COMPLETION_NAMES
+        return table
+    return make
+
+
+@pytest.mark.parametrize("name", COMPLETION_NAMES)
+def test_a_completions_client_chunk_is_vllms_with_the_prefills_cached_tokens(made_completions: Made,
+                                                                              name: str) -> None:
+    """What the engine writes for a completions ``client_stream`` (vLLM's completions generator under
+    the client's header, ``with_cached_tokens`` after) is byte for byte vLLM's chunk with the prefill's
+    cached tokens where vLLM reports details, and nothing else changed; it starts as the sidecar
+    expects a client's completions chunk to (``Shape.client_prefix``), so the relay forwards it."""
+    payload = made_completions()[name]
+    patched = with_cached_tokens(payload, 9)
+    assert patched == made_completions(cached=9 if name == "final_usage_with_cached" else 0)[name]
+    assert (patched != payload) is (name == "final_usage_with_cached")
+    shape = Shape(id="cmpl-bytes-1", created=1795965796, model="tiny-qwen3", prompt_tokens=12)
+    assert patched.encode().startswith(shape.client_prefix("completions"))
+    assert not patched.encode().startswith(shape.client_prefix("chat"))

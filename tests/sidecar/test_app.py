@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
-from tests.harness.openai_views import chat_stream_view, chat_view, sse_events
+from tests.harness.forced import MULTIBYTE, OUTPUTS
+from tests.harness.openai_views import chat_stream_view, chat_view, completion_stream_full_view, sse_events
 from tests.sidecar.conftest import TOKENS_ONLY
 from tests.sidecar.support import (
     RunningSidecar,
@@ -484,6 +485,23 @@ def test_chat_with_render_local_uses_the_decode_engine(engine_set, forcer) -> No
 
 # -- the inline relay: the decode engine writes the client's chunks --------------------------------
 
+def _relayed(proxied: tuple[RunningSidecar, dict], path: str, body: dict, request_id: str) -> tuple[dict, list]:
+    """A streamed request through the sidecar whose client stream is the decode engine's, byte for
+    byte ([DONE] included), under the header its decode leg named: the leg and the client's events."""
+    sidecar, proxies = proxied
+    _clear(proxies)
+    resp = requests.post(sidecar.url + path, json=body, timeout=120, headers={"X-Request-Id": request_id})
+    assert resp.status_code == 200, resp.text
+    (decode_call,) = [c for c in proxies["decode"].calls if c.path == GENERATE]
+    (leg,) = proxies["decode"].bodies(GENERATE)
+    client = leg["client_stream"]
+    assert client["model"] == body["model"] and client["return_token_ids"] is bool(body.get("return_token_ids"))
+    assert resp.content == bytes(decode_call.response) and resp.content.endswith(b"data: [DONE]\n\n")
+    events = list(sse_events(resp.content.splitlines()))
+    assert all(e["id"] == client["id"] and e["created"] == client["created"] for e in events[:-1])
+    return leg, events
+
+
 @pytest.mark.parametrize("name, options", [
     ("reasoning_tool_call", {}),
     ("multibyte", {"n": 2, "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
@@ -493,20 +511,56 @@ def test_an_inline_chat_stream_is_the_decode_engines_bytes(engine_set, forcer, p
     """With the engine extension, the decode leg asks for the client's own chunks
     (``client_stream``: the chat stream's id, created and model), and the client's stream is the
     engine's, byte for byte, usage chunk and [DONE] included; its deltas are coupled's."""
-    sidecar, proxies = proxied
     chat = forcer.chat_body(name, stream=True, **options)
-    _clear(proxies)
-    resp = requests.post(sidecar.url + "/v1/chat/completions", json=chat, timeout=120,
-                         headers={"X-Request-Id": f"bytes-{name}"})
-    assert resp.status_code == 200, resp.text
-    (decode_call,) = [c for c in proxies["decode"].calls if c.path == GENERATE]
-    (leg,) = proxies["decode"].bodies(GENERATE)
-    client = leg["client_stream"]
-    assert client["id"] == f"chatcmpl-bytes-{name}" and client["model"] == chat["model"]
-    assert client["return_token_ids"] is bool(options.get("return_token_ids"))
-    assert resp.content == bytes(decode_call.response) and resp.content.endswith(b"data: [DONE]\n\n")
-    events = list(sse_events(resp.content.splitlines()))
-    assert all(e["id"] == client["id"] and e["created"] == client["created"] and e["object"] == "chat.completion.chunk"
-               for e in events[:-1])
+    leg, events = _relayed(proxied, "/v1/chat/completions", chat, f"bytes-{name}")
+    assert leg["output_mode"] == "derender" and leg["client_stream"]["id"] == f"chatcmpl-bytes-{name}"
+    assert {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
     coupled = requests.post(engine_set.url("coupled") + "/v1/chat/completions", json=chat, stream=True, timeout=60)
     assert chat_stream_view(events) == chat_stream_view(list(sse_events(coupled.iter_lines())))
+
+
+def _forms(events: list) -> set:
+    """Which fields each chunk and each of its choices carries (chunk boundaries aside)."""
+    return {(tuple(e), tuple(tuple(c) for c in e["choices"])) for e in events if e != "[DONE]"}
+
+
+@pytest.mark.parametrize("text, options", [
+    (MULTIBYTE, {}),
+    (OUTPUTS["plain"][0], {"n": 2, "return_token_ids": True, "stop": ["zzz", "is Par"],
+                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+], ids=["multibyte", "n2-ids-stop-usage"])
+def test_an_inline_completions_stream_is_the_decode_engines_bytes(engine_set, forcer, proxied, text: str,
+                                                                    options: dict) -> None:
+    """A streamed completions request of one prompt: the decode leg asks for the client's own
+    ``text_completion`` chunks (``client_stream`` with ``api: completions`` on a ``text`` leg), and
+    the client's stream is the engine's, byte for byte, usage chunk and [DONE] included; each
+    choice's text, token ids, reasons and the usage are coupled's."""
+    body = {"model": "tiny-qwen3", "prompt": "Complete this (bytes):", "max_tokens": 200, "stream": True,
+            "vllm_xargs": forcer.xargs(text), **options}
+    name = "n2" if options else "one"
+    leg, events = _relayed(proxied, "/v1/completions", body, f"bytes-cmpl-{name}")
+    assert leg["output_mode"] == "text" and leg["client_stream"]["api"] == "completions"
+    assert leg["client_stream"]["id"] == f"cmpl-bytes-cmpl-{name}"
+    assert {e["object"] for e in events[:-1]} == {"text_completion"}
+    coupled = list(sse_events(requests.post(engine_set.url("coupled") + "/v1/completions", json=body, stream=True,
+                                            timeout=60).iter_lines()))
+    assert completion_stream_full_view(events) == completion_stream_full_view(coupled)
+    assert _forms(events) == _forms(coupled)
+    assert (events[-2].get("usage") is not None) is bool(options.get("stream_options"))
+
+
+def test_several_prompts_and_echo_keep_their_completions_chunks_shaped(engine_set, forcer, proxied) -> None:
+    """What the engine cannot write as the client's (several prompts' indices and summed usage, the
+    prompt's text) is asked in the generate shape and shaped by the sidecar, as coupled writes it."""
+    sidecar, proxies = proxied
+    text = OUTPUTS["plain"][0]
+    for extra in ({"prompt": ["First prompt here:", "A second prompt:"]}, {"prompt": "Echo me:", "echo": True}):
+        body = {"model": "tiny-qwen3", "max_tokens": 200, "stream": True, "vllm_xargs": forcer.xargs(text),
+                "stream_options": {"include_usage": True}, **extra}
+        _clear(proxies)
+        resp = requests.post(sidecar.url + "/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert all("client_stream" not in leg for leg in proxies["decode"].bodies(GENERATE))
+        coupled = requests.post(engine_set.url("coupled") + "/v1/completions", json=body, stream=True, timeout=60)
+        assert completion_stream_full_view(list(sse_events(resp.content.splitlines()))) == \
+            completion_stream_full_view(list(sse_events(coupled.iter_lines())))

@@ -39,14 +39,34 @@ def test_absent_extension_leaves_what_stock_vllm_of_that_version_does() -> None:
 
 
 @pytest.mark.parametrize("served, expected", [
-    ({"client_streams": True}, True),
-    ({"client_streams": "yes"}, False),
-    ({}, False),  # an extension from before client streams
-    ("absent", False),  # stock vLLM writes generate chunks
+    ({"client_streams": ["chat", "completions"]}, ("chat", "completions")),
+    ({"client_streams": ["completions", "chat", "responses"]}, ("chat", "completions")),  # one it does not know
+    ({"client_streams": ["completions"]}, ("completions",)),
+    ({"client_streams": True}, ("chat",)),  # the first extension's word: chat's chunks alone
+    ({"client_streams": []}, ()),
+    ({"client_streams": "yes"}, ()),
+    ({"client_streams": "chat"}, ()),
+    ({"client_streams": [True, 1]}, ()),
+    ({}, ()),  # an extension from before client streams
+    ("absent", ()),  # stock vLLM writes generate chunks
 ])
 def test_client_streams_only_where_the_engine_says_it_writes_them(served, expected) -> None:
-    assert capabilities.effective(capabilities.EXTENSION, served, STOCK_033).client_streams is expected
-    assert capabilities.effective(STOCK, {"client_streams": True}).client_streams is False  # configured off
+    assert capabilities.effective(capabilities.EXTENSION, served, STOCK_033).client_streams == expected
+    assert capabilities.effective(STOCK, {"client_streams": ["chat", "completions"]}).client_streams == ()  # configured off
+    chat_only = capabilities.EXTENSION.model_copy(update={"client_streams": ("chat",)})
+    assert capabilities.effective(chat_only, served).client_streams == tuple(a for a in expected if a == "chat")
+
+
+@pytest.mark.parametrize("configured, expected", [
+    (True, ("chat",)), (False, ()), (["completions"], ("completions",)), ([], ()),
+])
+def test_configured_client_streams_take_the_first_extensions_booleans(configured, expected) -> None:
+    assert Capabilities.model_validate({"client_streams": configured}).client_streams == expected
+
+
+def test_configured_client_streams_name_known_apis() -> None:
+    with pytest.raises(ValueError, match="client_streams"):
+        Capabilities.model_validate({"client_streams": ["responses"]})
 
 
 def test_configuration_only_narrows() -> None:
@@ -62,7 +82,8 @@ def test_configuration_only_narrows() -> None:
     ({"features": FEATURES_033}, STOCK_033),
     ({"features": {"generate_output_mode_derender": True}}, STOCK),  # derender needs render's parse_context
     ({"extension": True}, Capabilities(output_modes=ALL, streaming_output_modes=ALL,
-                                       derender_context_forms=("chat_request", "parse_context"), client_streams=True)),
+                                       derender_context_forms=("chat_request", "parse_context"),
+                                       client_streams=("chat", "completions"))),
     ({"extension": True, "features": FEATURES_033}, capabilities.EXTENSION),
 ])
 def test_configured_from_the_engine(engine, expected) -> None:

@@ -16,11 +16,13 @@ import pytest
 import requests
 
 from tests.sidecar import upstreams as fake
-from tests.sidecar.support import run_sidecar
+from tests.sidecar.support import run_sidecar, wait_for
 from tests.sidecar.upstreams import (  # noqa: F401 (fixtures)
     CHAT, COMPLETION, Upstreams, assert_clean, assert_healthy, module_ups, openai_error, post, read_stream,
     stream_error, ups,
 )
+
+from disagg_sidecar.keys import STATE
 
 SIDECAR_PACKAGE = Path(__file__).resolve().parents[2] / "sidecar" / "disagg_sidecar"
 
@@ -324,30 +326,48 @@ def test_a_proper_stream_still_ends_with_done(ups: Upstreams) -> None:
 
 # -- 4b. the client's own chunks (``client_stream``) --------------------------------------------------
 
-CLIENT_DECODE = {"output_modes": ["derender"], "streaming_output_modes": ["derender"],
-                 "derender_context_forms": ["chat_request"], "client_streams": True}
+CLIENT_DECODE = {"output_modes": ["derender", "text"], "streaming_output_modes": ["derender", "text"],
+                 "derender_context_forms": ["chat_request"], "client_streams": ["chat", "completions"]}
+OBJECTS = {"chat": "chat.completion.chunk", "completions": "text_completion"}
 
 
 def client_chunks(client: dict, pieces: list[dict]) -> list[bytes]:
     """``pieces`` (choices, or a usage) as the client's chunks, written as the engine extension
     writes them under the header the decode leg named (``client_stream``)."""
-    head = {"id": client["id"], "object": "chat.completion.chunk", "created": client["created"],
+    head = {"id": client["id"], "object": OBJECTS[client["api"]], "created": client["created"],
             "model": client["model"]}
     return [json.dumps({**head, **piece}, separators=(",", ":"), ensure_ascii=False).encode() for piece in pieces]
 
 
-CHOICES = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]},
-           {"choices": [{"index": 0, "delta": {"content": "héllo"}, "logprobs": None, "finish_reason": None}]},
-           {"choices": [{"index": 0, "delta": {"content": " there"}, "logprobs": None, "finish_reason": "stop",
-                         "stop_reason": None}]}]
+def _text(text: str, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                         "prompt_token_ids": None, "token_ids": None}]}
+
+
+# Per API: the client's request, its decode leg's mode and the pieces of a proper stream.
+APIS = {
+    "chat": ("/v1/chat/completions", {**CHAT, "stream": True}, "derender", [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "héllo"}, "logprobs": None, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": " there"}, "logprobs": None, "finish_reason": "stop",
+                      "stop_reason": None}]}]),
+    "completions": ("/v1/completions", {**COMPLETION, "stream": True}, "text", [
+        _text("héllo"), _text(" the"), _text("re", "stop")]),
+}
+
+
+def _bad_index(c: dict, pieces: list[dict]) -> bytes:
+    last = pieces[2]["choices"][0]
+    return fake.sse_bytes(client_chunks(c, [pieces[0], {"choices": [{**last, "index": 3}]}]))
+
+
 BAD_CLIENT_STREAMS = {  # the events after the header the sidecar named, or the whole stream
-    "not JSON after the header": lambda c: fake.sse_bytes(client_chunks(c, CHOICES[:1]) + [
-        client_chunks(c, CHOICES[1:2])[0][:-20] + b"<html>10.66.66.66</html>"]),
-    "a choice index beyond n": lambda c: fake.sse_bytes(client_chunks(c, [
-        CHOICES[0], {"choices": [{**CHOICES[2]["choices"][0], "index": 3}]}])),
-    "no finish reason": lambda c: fake.sse_bytes(client_chunks(c, CHOICES[:2])),
-    "no [DONE]": lambda c: fake.sse_bytes(client_chunks(c, CHOICES), done=False),
+    "not JSON after the header": lambda c, p: fake.sse_bytes(client_chunks(c, p[:1]) + [
+        client_chunks(c, p[1:2])[0][:-20] + b"<html>10.66.66.66</html>"]),
+    "a choice index beyond n": _bad_index,
+    "no finish reason": lambda c, p: fake.sse_bytes(client_chunks(c, p[:2])),
+    "no [DONE]": lambda c, p: fake.sse_bytes(client_chunks(c, p), done=False),
 }
 
 
@@ -357,37 +377,79 @@ def answering_client_chunks(make) -> fake.Handler:
     return handle
 
 
+@pytest.mark.parametrize("api", list(APIS))
 @pytest.mark.parametrize("case", list(BAD_CLIENT_STREAMS))
-def test_the_clients_own_chunks_are_checked_as_any_decode_event(ups: Upstreams, case: str) -> None:
+def test_the_clients_own_chunks_are_checked_as_any_decode_event(ups: Upstreams, case: str, api: str) -> None:
     """Events that start as the client's chunk are relayed as written, but only once checked: a bad
     one ends the client's stream with an error event, and its bytes never reach the client."""
-    ups.decode.routes["/inference/v1/generate"] = answering_client_chunks(BAD_CLIENT_STREAMS[case])
+    path, body, mode, pieces = APIS[api]
+    ups.decode.routes["/inference/v1/generate"] = answering_client_chunks(lambda c: BAD_CLIENT_STREAMS[case](c, pieces))
     with run_sidecar(fake.config(ups, decode={"capabilities": CLIENT_DECODE})) as sidecar:
-        resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+        resp = post(sidecar.url, path, body)
         error = stream_error(resp)
         assert error["code"] == 502 and error["message"].startswith(
             "The decode engine answered with an invalid answer ("), error
         assert b"<html>" not in resp.content and b'"index":3' not in resp.content
         assert_clean(resp, ups)
         (leg,) = [c.body for c in ups.decode.posts("/inference/v1/generate")]
-        assert leg["client_stream"]["id"] == "chatcmpl-fake" and leg["output_mode"] == "derender"
+        client = leg["client_stream"]
+        assert client["api"] == api and leg["output_mode"] == mode
+        assert client["id"] == "chatcmpl-fake" if api == "chat" else client["id"].startswith("cmpl-")
 
 
-def test_an_engine_that_ignores_client_stream_gets_its_chunks_shaped(ups: Upstreams) -> None:
+@pytest.mark.parametrize("api", list(APIS))
+def test_an_engine_error_after_the_clients_chunks_is_the_sidecars_own(ups: Upstreams, api: str) -> None:
+    """An error event after relayed chunks ends the client's stream as any decode failure does (an
+    error in the API's shape, then [DONE], as vLLM ends a failed stream), the engine's words kept out."""
+    path, body, mode, pieces = APIS[api]
+    ups.decode.routes["/inference/v1/generate"] = answering_client_chunks(lambda c: fake.sse_bytes(
+        client_chunks(c, pieces[:1])
+        + [{"error": {"message": "engine fell over at 10.66.66.66", "type": "InternalServerError", "code": 500}}]))
+    with run_sidecar(fake.config(ups, decode={"capabilities": CLIENT_DECODE})) as sidecar:
+        resp = post(sidecar.url, path, body)
+    events = read_stream(resp)
+    assert [e["choices"] for e in events[:-2]] == [pieces[0]["choices"]] and events[-1] == "[DONE]"
+    assert events[-2] == {"error": {"message": "The decode engine failed during the stream", "type": "BadGatewayError",
+                                    "param": None, "code": 502}}
+    assert b"10.66.66.66" not in resp.content
+    assert_clean(resp, ups)
+
+
+@pytest.mark.parametrize("api", list(APIS))
+def test_an_engine_that_ignores_client_stream_gets_its_chunks_shaped(ups: Upstreams, api: str) -> None:
     """The same answer from an engine that writes the client's chunks and from one that does not know
-    the field (generate chunks, ``output_mode: derender``): the client gets the same stream."""
+    the field (generate chunks in the leg's mode): the client gets the same stream."""
+    path, body, mode, pieces = APIS[api]
+
     def generate_chunks(client: dict) -> bytes:
-        events = [{"request_id": "gen-fake", "output_mode": "derender", **piece} for piece in CHOICES]
-        return fake.sse_bytes(events)
+        return fake.sse_bytes([{"request_id": "gen-fake", "output_mode": mode, **piece} for piece in pieces])
 
     streams = []
-    for make in (lambda c: fake.sse_bytes(client_chunks(c, CHOICES)), generate_chunks):
+    for make in (lambda c: fake.sse_bytes(client_chunks(c, pieces)), generate_chunks):
         ups.decode.routes["/inference/v1/generate"] = answering_client_chunks(make)
         with run_sidecar(fake.config(ups, decode={"capabilities": CLIENT_DECODE})) as sidecar:
-            events = read_stream(post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True}))
-        assert events[-1] == "[DONE]" and [e["choices"] for e in events[:-1]] == [p["choices"] for p in CHOICES]
-        streams.append([{k: v for k, v in e.items() if k != "created"} for e in events[:-1]])
+            events = read_stream(post(sidecar.url, path, body))
+        assert events[-1] == "[DONE]" and [e["choices"] for e in events[:-1]] == [p["choices"] for p in pieces]
+        assert {e["object"] for e in events[:-1]} == {OBJECTS[api]}
+        streams.append([{k: v for k, v in e.items() if k not in ("created", "id")} for e in events[:-1]])
     assert streams[0] == streams[1]
+
+
+@pytest.mark.parametrize("served", [True, ["chat"]])
+def test_an_engine_that_writes_chat_chunks_alone_keeps_completions_shaped(ups: Upstreams, served) -> None:
+    """An engine of the first version (``client_streams: true``) or one that names chat alone is never
+    sent a completions ``client_stream``: its text chunks are shaped as before."""
+    path, body, mode, pieces = APIS["completions"]
+    ups.decode.routes["/inference/v1/generate"] = fake.stream_raw(fake.sse_bytes(
+        [{"request_id": "gen-fake", "output_mode": "text", **piece} for piece in pieces]))
+    ups.decode.routes["/disagg/v1/capabilities"] = fake.answer_json({**CLIENT_DECODE, "client_streams": served})
+    decode = {"url": ups.decode.url, "capabilities": CLIENT_DECODE, "probe_capabilities": True}
+    with run_sidecar(fake.config(ups, decode=decode)) as sidecar:
+        assert wait_for(lambda: sidecar.app[STATE].served_capabilities is not None, 30)
+        events = read_stream(post(sidecar.url, path, body))
+    assert events[-1] == "[DONE]" and [e["choices"] for e in events[:-1]] == [p["choices"] for p in pieces]
+    (leg,) = [c.body for c in ups.decode.posts("/inference/v1/generate")]
+    assert leg["output_mode"] == "text" and "client_stream" not in leg
 
 
 TOKENS_DECODE = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}

@@ -277,3 +277,24 @@ def test_a_streamed_tokens_leg_asks_for_the_session_stream_interval(mode, stream
         rendered["sampling_params"] = {**rendered["sampling_params"], "stream_interval": client}
     body = json.loads(legs.decode_body(rendered, None, mode, None, None, stream_interval=interval))
     assert body["sampling_params"].get("stream_interval") == want
+
+
+CHAT_CLIENT = {"api": "chat", "id": "chatcmpl-1", "created": 7, "model": "m", "return_token_ids": False,
+               "cached_tokens": None}
+COMPLETIONS_CLIENT = {**CHAT_CLIENT, "api": "completions", "id": "cmpl-1"}
+
+
+@pytest.mark.parametrize("mode, stream, client, sent", [
+    ("derender", True, CHAT_CLIENT, True),
+    ("text", True, COMPLETIONS_CLIENT, True),
+    ("derender", True, {k: v for k, v in CHAT_CLIENT.items() if k != "api"}, True),  # chat when unnamed
+    ("derender", False, CHAT_CLIENT, False),  # a batch leg has no chunks
+    ("text", False, COMPLETIONS_CLIENT, False),
+    ("tokens", True, CHAT_CLIENT, False),  # asked again for tokens: chained, no client chunks
+    ("tokens", True, COMPLETIONS_CLIENT, False),
+    ("text", True, CHAT_CLIENT, False),  # chat's chunks only come from a derender stream
+    ("derender", True, COMPLETIONS_CLIENT, False),  # completions' only from a text stream
+])
+def test_the_client_stream_goes_with_the_mode_that_writes_its_apis_chunks(mode, stream, client, sent) -> None:
+    body = json.loads(legs.decode_body({**gen(), "stream": stream}, None, mode, None, None, client=client))
+    assert body.get("client_stream") == (client if sent else None)

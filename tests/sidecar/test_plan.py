@@ -55,6 +55,36 @@ def test_decode_plan(api, request_, caps, expected) -> None:
     assert decode_plan(api, request_, caps) == expected
 
 
+CLIENT = EXT.model_copy(update={"client_streams": ("chat", "completions")})
+CHAT_CLIENT = EXT.model_copy(update={"client_streams": ("chat",)})  # an extension of the first version
+S = {"stream": True}
+
+
+@pytest.mark.parametrize("api, request_, caps, expected", [
+    ("chat", S, CLIENT, DecodePlan("derender", "chat", "chat_request", client_chunks=True)),
+    ("chat", {}, CLIENT, DecodePlan("derender", "chat", "chat_request")),  # batch: no chunks
+    ("chat", S, CLIENT.model_copy(update={"client_streams": ("completions",)}),
+     DecodePlan("derender", "chat", "chat_request")),
+    ("completions", {**S, "prompt": "hi"}, CLIENT, DecodePlan("text", "completions", client_chunks=True)),
+    ("completions", {**S, "prompt": ["hi"]}, CLIENT, DecodePlan("text", "completions", client_chunks=True)),
+    ("completions", {**S, "prompt": [1, 2, 3]}, CLIENT, DecodePlan("text", "completions", client_chunks=True)),
+    ("completions", {**S, "prompt": "hi", "return_token_ids": True,
+                     "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "n": 2}, CLIENT,
+     DecodePlan("text", "completions", client_chunks=True)),
+    ("completions", {"prompt": "hi"}, CLIENT, DecodePlan("text", "completions")),  # batch
+    ("completions", {**S, "prompt": "hi"}, CHAT_CLIENT, DecodePlan("text", "completions")),
+    ("completions", {**S, "prompt": ["a", "b"]}, CLIENT, DecodePlan("text", "completions")),  # several prompts
+    ("completions", {**S, "prompt": [[1], [2]]}, CLIENT, DecodePlan("text", "completions")),
+    ("completions", {**S, "prompt": "hi", "echo": True}, CLIENT, DecodePlan("text", "completions")),  # render's text
+    ("completions", {**S, "prompt": "hi", "echo": False}, CLIENT, DecodePlan("text", "completions", client_chunks=True)),
+    ("completions", {**S, "prompt": "hi", "logprobs": 1}, CLIENT, DecodePlan("tokens", "completions")),  # chained
+    ("completions", {**S, "prompt": "hi"}, CLIENT.model_copy(update={"streaming_output_modes": ("tokens",)}),
+     DecodePlan("tokens", "completions")),
+])
+def test_the_decode_engine_writes_the_clients_chunks_where_it_can(api, request_, caps, expected) -> None:
+    assert decode_plan(api, request_, caps) == expected
+
+
 def test_parse_context_needs_render_to_send_one() -> None:
     planned = DecodePlan("derender", "chat", "parse_context")
     assert fit_to_render(planned, {"parse_context": {"tools": None}}) == planned

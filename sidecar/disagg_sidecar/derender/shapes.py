@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_sidecar.derender.fixes import chat_finish_reason, tool_call_id
+from disagg_sidecar import wire
 from disagg_sidecar.sse import dumps
 from disagg_sidecar.derender.usage import fix_usage
 
@@ -49,21 +50,23 @@ class Shape:
             return None
         return _without_none(usage, _OMITTED_USAGE) if self.omits_none else dict(usage)
 
-    def client_stream(self) -> dict[str, Any] | None:
-        """What the decode engine needs to write this request's chat chunks as the client's own
-        (the decode leg's ``client_stream``); None without a model name to write."""
-        if self.model is None:
+    def client_stream(self, api: wire.ClientStreamApi = "chat") -> dict[str, Any] | None:
+        """What the decode engine needs to write this request's chat (completions) chunks as the
+        client's own (the decode leg's ``client_stream``); None without a model name to write, or
+        with several prompts' choice indices (completions: only the first prompt's start at 0)."""
+        if self.model is None or self.index_offset:
             return None
-        return {"id": self.id, "created": self.created, "model": self.model,
+        return {"api": api, "id": self.id, "created": self.created, "model": self.model,
                 "return_token_ids": self.return_token_ids, "cached_tokens": self.cached_tokens}
 
-    def client_prefix(self) -> bytes:
-        """How each of this request's chat chunks starts, as the coupled endpoint writes it: a
-        decode event that starts so is the client's chunk already (``client_stream``)."""
-        return (b'{"id":' + dumps(self.id) + b',"object":"chat.completion.chunk","created":'
+    def client_prefix(self, api: wire.ClientStreamApi = "chat") -> bytes:
+        """How each of this request's chat (completions) chunks starts, as the coupled endpoint
+        writes it: a decode event that starts so is the client's chunk already (``client_stream``)."""
+        return (b'{"id":' + dumps(self.id) + b',"object":' + _CLIENT_OBJECTS[api] + b',"created":'
                 + str(self.created).encode() + b',"model":' + dumps(self.model) + b',"choices":[')
 
 
+_CLIENT_OBJECTS = {"chat": b'"chat.completion.chunk"', "completions": b'"text_completion"'}
 _OMITTED_USAGE = ("prompt_tokens_details",)
 _OMITTED_MESSAGE = ("annotations",)
 

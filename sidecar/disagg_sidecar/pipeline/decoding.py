@@ -160,15 +160,17 @@ class Decoder:
                      writer: SSEWriter, shaper: Shaper, client: shapes.Shape | None = None) -> Any:
         """Stream one prompt's decode leg to the client; returns its usage (sent by the caller).
         With ``client`` (``DecodePlan.client_chunks``), the engine is asked to write the client's
-        own chunks, and each event that is one goes to the client as the engine wrote it."""
+        own chunks (chat's or completions', as the plan's chain names the API), and each event that
+        is one goes to the client as the engine wrote it."""
         min_tokens = decisions.tokens_per_derender_call(max_tokens_of(gen), choices_of(gen), stream_call.call_bytes,
                                                         self.config.limits.derender_stream_bytes)
-        header = client.client_stream() if client is not None else None
-        prefix = client.client_prefix() if client is not None and header is not None else None
+        api = plan.decode.chain or "chat"  # the API whose chunks these are
+        header = client.client_stream(api) if client is not None else None
+        prefix = client.client_prefix(api) if client is not None and header is not None else None
 
         async def read(resp: aiohttp.ClientResponse, modes: Modes) -> Any:
             return await self._relay(resp, plan, modes, stream_call, writer, shaper, choices_of(gen), ctx, min_tokens,
-                                     prefix if modes.asked == "derender" else None)
+                                     prefix if modes.asked == modes.planned else None)
         return await self.call(gen, kv, plan, ctx, chat_raw, read, header)
 
     async def passthrough(self, request: web.Request, body: Mapping[str, Any], plan: RequestPlan,
@@ -253,7 +255,7 @@ class Decoder:
                         continue
                     if prefix is not None and payload.startswith(prefix):
                         answers.generated(event, n, "a decode stream event")
-                        modes.answered = modes.answered or "derender"
+                        modes.answered = modes.answered or modes.asked
                         relayed.append(sse.sse(payload))
                         continue
                     if relayed:

@@ -303,7 +303,8 @@ class Flows:
         async def stream_one(i: int, gen: Mapping[str, Any]) -> Any:
             stream_call = chained.CompletionStream(derender(gen), chained.Options.planned(answer, gen), tier)
             usage = await self.decoder.stream(gen, prefilled[i].kv, plan, ctx, stream_call, None, writer,
-                                              lambda chunk: firsts[i](shapes.completion_chunk(chunk, prompt_shapes[i])))
+                                              lambda chunk: firsts[i](shapes.completion_chunk(chunk, prompt_shapes[i])),
+                                              prompt_shapes[i] if plan.decode.client_chunks else None)
             return prompt_shapes[i].usage(usage) if usage is not None else None
 
         async def run() -> None:

@@ -19,7 +19,7 @@ from disagg_sidecar.config import Capabilities, Engine, SidecarConfig
 _ALL = wire.OUTPUT_MODES
 # Disagg's engine extension: every mode, batch and streaming, with either parser context.
 EXTENSION = Capabilities(output_modes=_ALL, streaming_output_modes=_ALL,
-                         derender_context_forms=("chat_request", "parse_context"), client_streams=True)
+                         derender_context_forms=("chat_request", "parse_context"), client_streams=wire.CLIENT_STREAM_APIS)
 # Stock vLLM 0.33: batch derender on generate, with render's parse_context only; 0.34 streams it too.
 STOCK_BATCH_DERENDER = Capabilities(output_modes=_ALL, derender_context_forms=("parse_context",))
 STOCK_DERENDER = STOCK_BATCH_DERENDER.model_copy(update={"streaming_output_modes": _ALL})
@@ -79,8 +79,17 @@ def effective(configured: Capabilities, served: Mapping[str, Any] | str | None,
         "streaming_output_modes": narrow("streaming_output_modes"),
         "derender_context_forms": narrow("derender_context_forms"),
         "parser_configured": parser if isinstance(parser, bool) else configured.parser_configured,
-        "client_streams": configured.client_streams and served.get("client_streams") is True,
+        "client_streams": tuple(api for api in configured.client_streams if api in served_client_streams(served)),
     })
+
+
+def served_client_streams(served: Mapping[str, Any]) -> tuple[str, ...]:
+    """The APIs whose client chunks the engine says it writes: a list of them, or ``true``, which
+    the first extension to write any said for chat's alone."""
+    offered = served.get("client_streams")
+    if offered is True:
+        return ("chat",)
+    return tuple(a for a in offered if isinstance(a, str)) if isinstance(offered, list) else ()
 
 
 def current(config: SidecarConfig, served: Mapping[str, Any] | str | None,

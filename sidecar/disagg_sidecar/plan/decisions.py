@@ -6,6 +6,8 @@ The decode engine's capabilities (``capabilities``) decide the output mode:
   parser is configured; otherwise ``tokens`` and the derender tier (batch, or per chunk);
 - completions: inline ``text``, unless the client asked for logprobs (their completions shape
   only comes from ``/v1/completions/derender``), then ``tokens`` + derender;
+- a chat or completions stream: the decode engine writes the client's own chunks where it can
+  (``DecodePlan.client_chunks``);
 - generate: whatever the client asked for; the answer passes through.
 If the engine answers another mode than the one asked for (an older engine ignores the field),
 the chain is the fallback, so every OpenAI plan names one.
@@ -32,7 +34,8 @@ class DecodePlan:
     mode: wire.OutputMode
     chain: Chain | None  # derender path for a tokens answer; None: pass the answer through
     context: wire.ContextForm | None = None  # parser context sent with mode "derender"
-    # A streamed derender writes the client's own chat chunks (``client_stream``), relayed as bytes.
+    # The decode stream writes the client's own chunks (``client_stream``: chat's from a derender,
+    # completions' from a text stream), relayed as bytes.
     client_chunks: bool = False
 
     @property
@@ -49,15 +52,23 @@ def decode_plan(api: Api, request: Mapping[str, Any], caps: Capabilities) -> Dec
             # The client's request is the exact context; render's parse_context (0.33) the slim one.
             for form in ("chat_request", "parse_context"):
                 if form in caps.derender_context_forms:
-                    return DecodePlan("derender", "chat", form, client_chunks=stream and caps.client_streams)
+                    return DecodePlan("derender", "chat", form, client_chunks=stream and "chat" in caps.client_streams)
         if "text" in modes and not caps.parser_configured:
             return DecodePlan("text", "chat")
         return DecodePlan("tokens", "chat")
     if api == "completions":
         if "text" in modes and request.get("logprobs") is None:
-            return DecodePlan("text", "completions")
+            return DecodePlan("text", "completions", client_chunks=stream and completion_client_chunks(request, caps))
         return DecodePlan("tokens", "completions")
     return DecodePlan(answered_mode(request), None)
+
+
+def completion_client_chunks(request: Mapping[str, Any], caps: Capabilities) -> bool:
+    """A completions stream the decode engine can write as the client's own chunks: one prompt (the
+    chunks of several carry indices and one usage over all, the sidecar's), no ``echo`` (the
+    prompt's text is the render tier's), on an engine that writes them."""
+    return ("completions" in caps.client_streams and not request.get("echo")
+            and requestlimits.rendered_prompts(request) == 1)
 
 
 def answered_mode(generate: Mapping[str, Any]) -> wire.OutputMode:

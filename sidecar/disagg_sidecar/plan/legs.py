@@ -25,6 +25,8 @@ _PREFILL_SAMPLING_DROP = ("min_tokens", "logprobs", "prompt_logprobs")
 # Need a tokenizer, which a --tokens-only pool lacks (400 or a failed grammar); the one token a
 # prefill leg samples is thrown away, so dropping them changes nothing the client sees.
 _TOKENS_ONLY_SAMPLING_DROP = (stops.STOP, "bad_words", "structured_outputs")
+# The output mode whose stream writes each API's client chunks (``client_stream.api``).
+_CLIENT_STREAM_MODE: dict[str, wire.OutputMode] = {"chat": "derender", "completions": "text"}
 
 
 def _sampling_without_client_kv(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -109,8 +111,8 @@ def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | 
     tier makes the text, and the decode engine's detokenizer would only cost its API process CPU per token.
     A streamed ``tokens`` leg sends at least ``stream_interval`` tokens per chunk (vLLM's
     ``SamplingParams.stream_interval``; the first token and the end at once). ``client``: a
-    streamed ``derender``'s chunks are to be the client's own (``client_stream``: the engine writes
-    the client's header, the relay forwards the bytes)."""
+    streamed ``derender``'s (``text``'s) chunks are to be the client's chat (completions) chunks
+    (``client_stream``: the engine writes the client's header, the relay forwards the bytes)."""
     slim = {wire.PARSE_CONTEXT: gen.get(wire.PARSE_CONTEXT)} if context == "parse_context" else None
     leg = decode_leg(gen, kv_transfer_params, output_mode=mode, context=slim)
     sampling = leg[wire.SAMPLING_PARAMS]
@@ -119,7 +121,7 @@ def decode_body(gen: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | 
     if mode == "tokens" and leg.get("stream") and stream_interval > 1:
         asked = sampling.get("stream_interval")
         sampling["stream_interval"] = max(asked if type(asked) is int else 1, stream_interval)
-    if mode == "derender" and client is not None and leg.get("stream"):
+    if client is not None and leg.get("stream") and mode == _CLIENT_STREAM_MODE.get(client.get("api", "chat")):
         leg[wire.CLIENT_STREAM] = dict(client)
     body = dumps(leg)
     if mode == "derender" and context == "chat_request" and chat_raw is not None:
