@@ -312,6 +312,13 @@ class SessionDerender:
     async def _resume(self) -> None:
         """Each unfinished choice statelessly from the last line the client got the output of."""
         started = set(self._started)
+        if self._closed:  # the decode stream is over: each unfinished choice needs a line to finish on
+            waiting = {stream.choice_index(c) for c in self._pending}
+            if stuck := sorted(i for i, lines in self._lines.items() if i not in self._finished and i not in waiting
+                               and self._fed.get(i, 0) >= len(lines)):
+                raise SidecarError(502, "The derender tier answered with an invalid answer (a derender session "
+                                        f"answered every line of choice {stuck[0]} without finishing it)",
+                                   type_="BadGatewayError", done=False)
 
         async def emit(chunk: stream.Chunk) -> None:
             await self._emit(without_role(chunk, started))
@@ -329,18 +336,11 @@ class SessionDerender:
         # Chunks that arrived meanwhile are in `_pending` until the chain takes over.
         backlog.extend(c for c in self._pending if stream.choice_index(c) not in self._finished)
         self._pending = []
-        if self._closed:  # the decode stream is over: each unfinished choice needs a line to finish on
-            waiting = {stream.choice_index(c) for c in backlog}
-            if stuck := sorted(i for i in self._lines if i not in self._finished and i not in waiting):
-                raise SidecarError(502, "The derender tier answered with an invalid answer (a derender session "
-                                        f"answered every line of choice {stuck[0]} without finishing it)",
-                                   type_="BadGatewayError", done=False)
         self._fallback = chain
         for chunk in backlog:
             chain.feed(chunk)
         if self._usage is not None and not self._usage_out:
             chain.feed(self._usage)  # it came before the fallback took over; it still comes last
-
 
 Stateless = Callable[[stream.Emit], stream.ChainedDerender]
 Write = Callable[[bytes], Awaitable[None]]
