@@ -146,5 +146,6 @@ def test_only_a_chunk_with_the_role_alone_delivers_no_lines_output():
     for other in ({**role, "delta": {"role": "assistant", "content": "a"}}, {**role, "finish_reason": "stop"},
                   {**role, "token_ids": [5]}, {**role, "logprobs": {"content": []}},
                   {**role, "delta": {"role": "assistant", "content": "", "reasoning": "r"}},
+                  {**role, "delta": {"role": "assistant", "reasoning": "r"}},
                   {"index": 0, "delta": {"content": ""}}, {"index": 0, "text": "a"}):
         assert not role_only(other), other

@@ -127,7 +127,7 @@ def role_only(choice: Mapping[str, Any]) -> bool:
     """A choice's first chunk with its role and nothing of a line's output (vLLM sends it before the
     first line's delta, with that line already read)."""
     delta = choice.get("delta")
-    return isinstance(delta, dict) and "role" in delta and not delta.get("content") and len(delta) <= 2 \
+    return isinstance(delta, dict) and "role" in delta and set(delta) <= {"role", "content"} and not delta.get("content") \
         and choice.get("finish_reason") is None and not choice.get("token_ids") and choice.get("logprobs") is None
 
 
@@ -341,6 +341,7 @@ class SessionDerender:
             chain.feed(chunk)
         if self._usage is not None and not self._usage_out:
             chain.feed(self._usage)  # it came before the fallback took over; it still comes last
+
 
 Stateless = Callable[[stream.Emit], stream.ChainedDerender]
 Write = Callable[[bytes], Awaitable[None]]
