@@ -39,10 +39,10 @@ async def tokens_decode(request: web.Request, body: Any) -> web.StreamResponse:
     return await fake.answer_json(fake.tokens_answer(False))(request, body)
 
 
-def offers(client_streams: list[str] | None) -> fake.Handler:
+def offers(client_streams: tuple[str, ...] | None) -> fake.Handler:
     sessions: dict[str, Any] = {"chat_path": SESSION}
     if client_streams is not None:
-        sessions["client_streams"] = client_streams
+        sessions["client_streams"] = list(client_streams)
     return fake.answer_json({"role": "render", "derender_sessions": sessions})
 
 
@@ -92,7 +92,7 @@ def old_form(client: dict[str, Any] | None) -> bytes:
     return fake.sse_bytes(events, done=False)
 
 
-def scripted(ups: Upstreams, script: Script, client_streams: list[str] | None = ["chat"]) -> list[dict[str, Any]]:
+def scripted(ups: Upstreams, script: Script, client_streams: tuple[str, ...] | None = ("chat",)) -> list[dict[str, Any]]:
     ups.decode.routes["/inference/v1/generate"] = tokens_decode
     ups.render.routes[CAPABILITIES] = offers(client_streams)
     opened: list[dict[str, Any]] = []
@@ -125,7 +125,7 @@ def test_the_sessions_client_chunks_are_the_clients_bytes(ups: Upstreams) -> Non
     assert_clean(resp, ups)
 
 
-@pytest.mark.parametrize("client_streams", [None, ["completions"]], ids=["not-reported", "not-for-chat"])
+@pytest.mark.parametrize("client_streams", [None, ("completions",)], ids=["not-reported", "not-for-chat"])
 def test_a_render_that_does_not_offer_client_chunks_is_never_asked(ups: Upstreams, client_streams) -> None:
     """A render pod without ``client_streams`` for chat (an older extension) gets no ``client_stream``
     and its events are shaped: the client's stream is the same as from one that writes them."""
