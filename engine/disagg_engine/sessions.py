@@ -20,7 +20,11 @@ exchange pins the session to the process that accepted it; nothing is keyed or l
 The answer is ``text/event-stream``: exactly the events the inline derender (``serving.py``)
 sends for those tokens (completions: the ``text_completion`` chunks a coupled server sends), each
 with ``fed``: how many lines of its choice the session had consumed when it was made (a client
-that loses the session resumes the stateless way from there), then ``[DONE]``. The events come
+that loses the session resumes the stateless way from there), then ``[DONE]``. With the open
+line's ``client_stream`` (chat; the render reports ``client_streams``), each event's data is the
+client's own chunk, written as ``serving.py`` writes it for the decode leg's ``client_stream``
+(``shapes.client_stream_event``), and ``fed`` is an SSE field of its own before the data
+(``fed: 3``), so a proxy relays the data as it is; without it, ``fed`` is the event's first key. The events come
 from vLLM's own code: the engine's output processor (incremental detokenizer with the request's
 stop strings, logprob tokens, n > 1 fan-out) turns the chunks into ``RequestOutput``s, and
 ``OpenAIServingChat.chat_completion_stream_generator`` (``OpenAIServingCompletion.
@@ -48,7 +52,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from disagg_engine.protocol import DisaggGenerateRequest
-from disagg_engine.shapes import derender_stream_event
+from disagg_engine.shapes import client_stream_event, derender_stream_event
 from disagg_engine.vllm_compat import (
     CompletionRequest,
     EngineCoreOutput,
@@ -65,6 +69,7 @@ from disagg_engine.vllm_compat import (
     effective_chat_template_kwargs,
     engine_request,
 )
+from disagg_sidecar.wire import SESSION_FED
 
 CHAT_SESSION_PATH = "/disagg/v1/derender/sessions/chat"
 COMPLETIONS_SESSION_PATH = "/disagg/v1/derender/sessions/completions"
@@ -158,6 +163,16 @@ def tagged(payload: str, fed: list[int]) -> str:
     return 'data: {"fed":%d,%s\n\n' % (fed[index] if index < len(fed) else 0, payload[1:])
 
 
+def fed_event(payload: str, fed: list[int]) -> str:
+    """A client's chunk (its JSON) as a session event: ``fed`` of its choice in a field of its own, the
+    data unchanged. The first ``,"choices":[{"index":`` is the chunk's own (no JSON string holds its
+    unescaped quotes), however long the id and model before it."""
+    if (match := _INDEX.search(payload)) is None:
+        return f"data: {payload}\n\n"  # usage or error
+    index = int(match.group(1))
+    return f"{SESSION_FED}: {fed[index] if index < len(fed) else 0}\ndata: {payload}\n\n"
+
+
 # -- one session -----------------------------------------------------------------------------
 
 class Session:
@@ -223,7 +238,8 @@ class Sessions:
 
     def capability(self) -> dict[str, Any]:
         return {"chat_path": CHAT_SESSION_PATH, "completions_path": COMPLETIONS_SESSION_PATH,
-                "max_sessions": self.max_sessions, "idle_timeout_seconds": self.idle_seconds}
+                "max_sessions": self.max_sessions, "idle_timeout_seconds": self.idle_seconds,
+                "client_streams": ["chat"]}  # the APIs whose sessions write the client's chunks (``fed_event``)
 
     async def open(self, body: AsyncIterator[bytes], api: SessionApi) -> tuple[SessionRequest, AsyncIterator[bytes]]:
         """Read and check the open line; the request and the rest of the lines."""
@@ -264,10 +280,15 @@ class Sessions:
                 ctx, session.outputs(lines), request.request_id, "", [], self.tokenizer,
                 RequestResponseMetadata(request_id=request.request_id),
                 chat_template_kwargs=effective_chat_template_kwargs(self.chat, ctx))
+            client = request.client_stream
             async for event in events:
-                if event.startswith("data: {"):
-                    event = tagged(derender_stream_event(event[6:].strip(), request.request_id), session.fed)
-                yield event
+                if not event.startswith("data: {"):
+                    yield event
+                elif client is not None:  # the client's own chunk, as the inline derender writes it
+                    yield fed_event(client_stream_event(event[6:].strip(), client.id, client.created, client.model,
+                                                        client.cached_tokens), session.fed)
+                else:
+                    yield tagged(derender_stream_event(event[6:].strip(), request.request_id), session.fed)
         finally:
             self.live -= 1
 

@@ -29,6 +29,10 @@ class SSEParser:
         self.max_event = max_event
 
     def feed(self, data: bytes) -> list[bytes]:
+        return [p for p in map(payload, self.events(data)) if p is not None]
+
+    def events(self, data: bytes) -> list[bytes]:
+        """The complete events ``data`` ends, as written (their fields unread: ``payload``, ``field``)."""
         last = (self._parts[-1] if self._parts else self._buf)[-1:]
         if b"\n\n" not in data and b"\r" not in data and last + data[:1] != b"\n\n" and last != b"\r":
             # No event ends here: kept as it is (a long event grows linearly, not by a copy per read).
@@ -48,7 +52,7 @@ class SSEParser:
         if self.max_event is not None and (len(self._buf) > self.max_event
                                            or any(len(e) > self.max_event for e in events)):
             raise EventTooLarge(f"an event of more than {self.max_event} bytes")
-        return [p for p in map(_payload, events) if p is not None]
+        return events
 
     @property
     def pending(self) -> bool:
@@ -63,13 +67,23 @@ class SSEParser:
     def flush(self) -> list[bytes]:
         rest, self._buf = b"".join([self._buf, *self._parts]), b""
         self._parts, self._size = [], 0
-        payload = _payload(rest)
-        return [payload] if payload is not None else []
+        data = payload(rest)
+        return [data] if data is not None else []
 
 
-def _payload(event: bytes) -> bytes | None:
+def payload(event: bytes) -> bytes | None:
+    """The ``data`` of an event (its lines joined), None without any."""
     lines = [line[5:].removeprefix(b" ").rstrip(b"\r") for line in event.split(b"\n") if line.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
+
+
+def field(event: bytes, name: bytes) -> bytes | None:
+    """The value of an event's first field ``name`` (``name: value``), None without one."""
+    head = name + b":"
+    for line in event.split(b"\n"):
+        if line.startswith(head):
+            return line[len(head):].removeprefix(b" ").rstrip(b"\r")
+    return None
 
 
 def sse(payload: bytes) -> bytes:

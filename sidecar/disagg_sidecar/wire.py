@@ -66,3 +66,6 @@ TOKEN_IDS: Final = "token_ids"
 REMOTE_PREFILL_CACHED_TOKENS: Final = "remote_prefill_cached_tokens"
 
 SSE_DONE: Final = b"[DONE]"
+# A derender session's event that is the client's own chunk carries the lines its choice had consumed
+# in an SSE field of this name beside ``data`` (``disagg_engine.sessions``), so the data stays the chunk.
+SESSION_FED: Final = "fed"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from types import SimpleNamespace
 
 import aiohttp
@@ -18,6 +19,7 @@ from disagg_engine.sessions import (
     COMPLETIONS_SESSION_PATH,
     Sessions,
     engine_outputs,
+    fed_event,
     line_chunk,
     logprob_row,
     split_lines,
@@ -25,6 +27,7 @@ from disagg_engine.sessions import (
 )
 from disagg_operator import engine_args
 from tests.engine.session_renders import live
+from tests.harness.forced import OUTPUTS
 from tests.sidecar.support import wait_for
 
 # -- pure pieces -------------------------------------------------------------------------------
@@ -77,6 +80,15 @@ def test_tagged_adds_the_lines_its_choice_consumed():
     assert json.loads(event[6:])["fed"] == 5
     usage = tagged('{"request_id":"x","choices":[],"usage":{"prompt_tokens":1}}', [3])
     assert "fed" not in json.loads(usage[6:])
+
+
+def test_fed_event_puts_the_count_beside_the_clients_chunk():
+    chunk = '{"id":"chatcmpl-' + "x" * 500 + '","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":1}]}'
+    assert fed_event(chunk, [3, 5]) == f"fed: 5\ndata: {chunk}\n\n"  # the choice's count, however long the header
+    usage = '{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{}}'
+    assert fed_event(usage, [3]) == f"data: {usage}\n\n"
+    error = json.dumps({"error": {"message": ',"choices":[{"index":0', "code": 500}})  # in a string: escaped
+    assert fed_event(error, [3]) == f"data: {error}\n\n"
 
 
 def test_idle_session_ends_with_an_error():
@@ -135,6 +147,10 @@ def chunk_line(forcer) -> bytes:
                                b'"content": ""}]}}\n', "and no chat_request"),
     (COMPLETIONS_SESSION_PATH, b'{"token_ids": [1], "completion_request": {"prompt": "-", "n": 0}}\n',
      "invalid session request"),
+    # the client's own chunks are chat's only (the render reports ``client_streams: ["chat"]``)
+    (COMPLETIONS_SESSION_PATH, b'{"token_ids": [1], "sampling_params": {}, "completion_request": {"prompt": "-"}, '
+                               b'"stream": true, "client_stream": {"id": "cmpl-x", "created": 1, "model": "m"}}\n',
+     "client_stream is only read with output_mode='derender'"),
 ])
 def test_bad_session_openings_get_an_openai_error(session_renders, path: str, body: bytes, message: str):
     resp = requests.post(live(session_renders).url + path, data=body, timeout=30)
@@ -148,6 +164,7 @@ def test_render_reports_sessions(session_renders):
     assert caps["role"] == "render" and caps["derender_sessions"]["chat_path"] == CHAT_SESSION_PATH
     assert caps["derender_sessions"]["completions_path"] == COMPLETIONS_SESSION_PATH
     assert caps["derender_sessions"]["max_sessions"] >= 200
+    assert caps["derender_sessions"]["client_streams"] == ["chat"]
     assert engine_args.derender_sessions(caps["vllm_version"])  # what the operator expects of this version
 
 
@@ -185,3 +202,51 @@ def test_200_sessions_then_clients_gone_count_returns_to_zero(session_renders, f
 
     assert asyncio.run(run()) == 200
     assert wait_for(lambda: render.live_sessions() == 0, timeout=60)
+
+
+TOOL_CALL_ID = re.compile(rb"chatcmpl-tool-[0-9A-Za-z]+")
+
+
+def session_answer(render_url: str, first: dict, rows: list[list]) -> list[bytes]:
+    """A whole session in one exchange: its events as written (the last one [DONE])."""
+    body = b"".join(json.dumps(line).encode() + b"\n" for line in [first, *rows])
+    resp = requests.post(render_url + CHAT_SESSION_PATH, data=body, timeout=120)
+    assert resp.status_code == 200, resp.text[:500]
+    events = resp.content.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]", resp.content[-300:]
+    return events[:-1]
+
+
+@pytest.mark.engine
+def test_a_session_asked_for_the_clients_chunks_writes_them_with_fed_beside(session_renders, forcer):
+    """With ``client_stream`` in the open line each event's data is the client's own chunk, under the
+    header it names, and ``fed`` is a field before it; the chunks are the ones the same session writes
+    without it (vLLM's own bytes from ``,"choices":[`` on, usage included, but for the random tool-call
+    ids each parser draws), with the same counts."""
+    render = live(session_renders)
+    text, fields = OUTPUTS["reasoning_tool_call"]
+    chat = forcer.chat_body("reasoning_tool_call", stream=True, n=2, return_token_ids=True,
+                            stream_options={"include_usage": True, "continuous_usage_stats": True})
+    gen = requests.post(render.url + "/v1/chat/completions/render", json=chat, timeout=60).json()
+    first = {**gen, "stream": True, "output_mode": "derender", "chat_request": chat}
+    ids = forcer.ids(text)
+    rows = [[i, [t]] + (["stop"] if k == len(ids) - 1 else []) for k, t in enumerate(ids) for i in (0, 1)]
+    client = {"id": "chatcmpl-mine", "created": 1234, "model": "served-name", "return_token_ids": True}
+    prefix = b'data: {"id":"chatcmpl-mine","object":"chat.completion.chunk","created":1234,"model":"served-name",' \
+             b'"choices":['
+    new, old = session_answer(render.url, {**first, "client_stream": client}, rows), session_answer(render.url, first, rows)
+    assert len(new) == len(old) > 2 * len(ids)
+    last: dict[int, int] = {}
+    for mine, theirs in zip(new[:-1], old[:-1]):
+        fed, data = mine.split(b"\n") if mine.startswith(b"fed: ") else (None, mine)
+        assert data.startswith(prefix), data[:200]
+        same = lambda e: TOOL_CALL_ID.sub(b"chatcmpl-tool-*", e[e.index(b',"choices":['):])  # each session's own
+        assert same(data) == same(theirs)
+        event = json.loads(theirs[len(b"data: "):])
+        if event["choices"]:
+            index = event["choices"][0]["index"]
+            assert fed == b"fed: %d" % event["fed"] and event["fed"] >= last.get(index, 0)
+            last[index] = event["fed"]
+        else:
+            assert fed is None and "fed" not in event and event["usage"]["completion_tokens"] == 2 * len(ids)
+    assert last == {0: len(ids), 1: len(ids)}  # each choice's every line, the last with its finish

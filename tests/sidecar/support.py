@@ -184,7 +184,9 @@ def recording_proxy(target: str, delay: float = 0.0) -> Iterator[RecordingProxy]
                 await asyncio.sleep(proxy.delay)  # cancelled if the caller gives up first
             if (fault := proxy.fail.get(request.path)) is not None:
                 return web.Response(status=fault[0], body=fault[1], content_type="application/json")
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+            # The body goes on whole (a streamed one, e.g. a derender session's, is read first): framed anew.
+            headers = {k: v for k, v in request.headers.items()
+                       if k.lower() not in ("host", "content-length", "transfer-encoding")}
             async with session.request(request.method, proxy.target + request.path_qs, data=raw,
                                        headers=headers) as resp:
                 out = web.StreamResponse(status=resp.status, headers={

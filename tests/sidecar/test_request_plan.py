@@ -111,6 +111,24 @@ def test_a_messages_request_is_checked_once_and_its_derived_chat_request_planned
     assert derived.answer == Answer(model="m", top_logprobs=2, stream_logprobs=True)
 
 
+@pytest.mark.parametrize("api, body, cfg, expected", [
+    ("chat", {"messages": [], "stream": True}, config(), True),
+    ("chat", {"messages": [], "stream": True, "n": 2}, config(), True),
+    ("chat", {"messages": []}, config(), False),  # a batch answer: one stateless call, no session
+    ("chat", {"messages": [], "stream": True}, config(engine=Engine(derender_sessions=False)), False),
+    ("completions", {"prompt": "x", "stream": True}, config(), False),  # its sessions still answer text_completion
+    ("generate", {"token_ids": [1], "stream": True}, config(), False),
+])
+def test_a_session_writes_the_clients_chunks_for_an_openai_chat_stream_only(api, body, cfg, expected) -> None:
+    assert plan_request(api, body, STOCK, cfg).session_chunks is expected
+
+
+def test_a_derived_chat_streams_session_chunks_are_the_mappings_to_read() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert plan_request("chat", chat, STOCK, config()).session_chunks
+    assert not derived_chat(chat, STOCK, config()).session_chunks  # Messages: vLLM's mapping reads the chunks
+
+
 def test_a_prompts_leg_is_checked_and_gets_its_logprob_candidates() -> None:
     cfg = config(limits=Limits(max_logprobs=5), engine=Engine(max_logprobs=6))
     completions = plan_request("completions", {"prompt": "x"}, EXT, cfg)

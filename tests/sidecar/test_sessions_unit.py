@@ -9,7 +9,16 @@ import pytest
 from disagg_sidecar.derender import chained
 from disagg_sidecar.plan import legs
 from disagg_sidecar.derender import stream
-from disagg_sidecar.derender.sessions import open_line, session_path, session_row, without_role
+from disagg_sidecar.derender import shapes
+from disagg_sidecar.derender.sessions import (
+    client_streams,
+    event_fed,
+    open_line,
+    role_only,
+    session_path,
+    session_row,
+    without_role,
+)
 
 
 def test_session_path_only_from_a_render_that_offers_it():
@@ -98,3 +107,46 @@ def test_a_chunk_of_several_tokens_becomes_one_line_per_token_and_merges_back():
     assert stream.per_token(one) == [one]
     plain = {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length"}]}
     assert [session_row(p) for p in stream.per_token(plain)] == [[0, [5]], [0, [6], "length"]]
+
+
+def test_client_chunks_only_from_a_render_that_offers_them_for_the_api():
+    caps = {"derender_sessions": {"chat_path": "/s", "client_streams": ["chat"]}}
+    assert client_streams(caps, "chat") and not client_streams(caps, "completions")
+    for caps in (None, {}, {"derender_sessions": {"chat_path": "/s"}}, {"derender_sessions": {"client_streams": True}},
+                 {"derender_sessions": {"client_streams": "chat"}}, {"client_streams": ["chat"]}):
+        assert not client_streams(caps, "chat"), caps
+
+
+def test_a_chat_open_line_asks_for_the_clients_chunks_under_the_clients_header():
+    client = {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True}
+    gen = {"token_ids": [1, 2, 3], "sampling_params": {"n": 1}}
+    leg = legs.DerenderLeg("chat", json.dumps(client).encode(), gen["token_ids"])
+    shape = shapes.Shape(id="chatcmpl-r", created=7, model="served", prompt_tokens=3, cached_tokens=2,
+                         return_token_ids=True)
+    call = chained.ChatStream(leg, chained.Options.of(client, gen), tier=None, logprobs=False, client=shape)
+    assert "client_stream" not in json.loads(open_line(call, "r"))
+    body = json.loads(open_line(call, "r", shape.client_stream()))
+    assert body["client_stream"] == shape.client_stream()
+    assert {k: body["client_stream"][k] for k in ("id", "created", "model", "return_token_ids", "cached_tokens")} == {
+        "id": "chatcmpl-r", "created": 7, "model": "served", "return_token_ids": True, "cached_tokens": 2}
+    assert body["output_mode"] == "derender" and body["stream"] is True
+
+
+def test_the_fed_count_of_a_client_chunk_is_its_field_and_of_an_old_event_its_key():
+    event = {"choices": [{"index": 0}]}
+    assert event_fed(b"fed: 12\ndata: {}", event, client=True) == 12 and event == {"choices": [{"index": 0}]}
+    for raw in (b"data: {}", b"fed: -1\ndata: {}", b"fed: x\ndata: {}", b"fed: 1.5\ndata: {}", b"fed:\ndata: {}"):
+        assert event_fed(raw, event, client=True) is None, raw
+    old = {"fed": 3, "choices": [{"index": 0}]}
+    assert event_fed(b"fed: 9\ndata: {}", old, client=False) == 3 and "fed" not in old  # the client never sees it
+
+
+def test_only_a_chunk_with_the_role_alone_delivers_no_lines_output():
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    assert role_only(role) and role_only({"index": 0, "delta": {"role": "assistant"}})
+    for other in ({**role, "delta": {"role": "assistant", "content": "a"}}, {**role, "finish_reason": "stop"},
+                  {**role, "token_ids": [5]}, {**role, "logprobs": {"content": []}},
+                  {**role, "delta": {"role": "assistant", "content": "", "reasoning": "r"}},
+                  {**role, "delta": {"role": "assistant", "reasoning": "r"}},
+                  {"index": 0, "delta": {"content": ""}}, {"index": 0, "text": "a"}):
+        assert not role_only(other), other

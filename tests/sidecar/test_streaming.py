@@ -12,7 +12,7 @@ import pydantic_core
 import pytest
 
 from disagg_sidecar.plan import answers
-from disagg_sidecar.sse import SSEParser, dumps, sse_json
+from disagg_sidecar.sse import SSEParser, dumps, field, payload, sse_json
 from disagg_sidecar.derender.stream import ChainedDerender, choice_index, merge_chunks
 
 
@@ -25,6 +25,17 @@ def test_sse_parser_handles_arbitrary_splits() -> None:
             out += parser.feed(stream[i:i + size])
         out += parser.flush()
         assert out == [b'{"a": 1}', b'{"b":\n2}', b"[DONE]"], size
+
+
+def test_sse_events_keep_their_fields_for_payload_and_field() -> None:
+    """``events`` gives each event as written (a derender session's ``fed:`` beside its data)."""
+    stream = b'fed: 3\r\ndata: {"a":1}\r\n\r\n' b"data: x\nfed:12\nfed: 4\n\n" b": comment\n\n"
+    for size in (1, 2, 5, len(stream)):
+        parser = SSEParser()
+        events = [e for i in range(0, len(stream), size) for e in parser.events(stream[i:i + size])]
+        assert [payload(e) for e in events] == [b'{"a":1}', b"x", None], size
+        assert [field(e, b"fed") for e in events] == [b"3", b"12", None], size  # the first of a name
+        assert field(events[0], b"fe") is None and field(events[0], b"data") == b'{"a":1}'
 
 
 def test_sse_json_is_one_event() -> None:

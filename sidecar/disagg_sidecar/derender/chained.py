@@ -226,8 +226,10 @@ class _Sent:
 class ChatStream:
     """One streaming derender call per (merged) generate chunk, with what coupled adds to it."""
 
-    def __init__(self, leg: legs.DerenderLeg, opts: Options, tier: TierCall, logprobs: bool):
+    def __init__(self, leg: legs.DerenderLeg, opts: Options, tier: TierCall, logprobs: bool,
+                 client: shapes.Shape | None = None):
         self.leg, self.opts, self.tier, self.logprobs = leg, opts, tier, logprobs
+        self.client = client  # a derender session may write the client's own chunks (``RequestPlan.session_chunks``)
         self.hold = opts.stops.hold
         self.call_bytes = leg.call_bytes * (2 if logprobs else 1)  # a logprobs call beside each chunk's
         self.sent = _Sent()

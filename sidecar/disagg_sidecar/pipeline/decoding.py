@@ -271,7 +271,7 @@ class Decoder:
                         if chain is None:
                             chain = sessions.derender_chain(self.up, stream_call, emit, plan.sessions, lambda out: (
                                 stream.ChainedDerender(stream_call, out, coalesce=plan.coalesce, hold=stream_call.hold,
-                                                       min_tokens=min_tokens, on_call=on_call)))
+                                                       min_tokens=min_tokens, on_call=on_call)), writer.write)
                         chain.feed(event)
                     else:
                         await emit(event)

@@ -171,7 +171,8 @@ class Flows:
         default); ``writer`` only starts the client's stream."""
         derender = legs.DerenderLeg("chat", c.raw, c.gen[wire.TOKEN_IDS])
         stream_call = chained.ChatStream(derender, chained.Options.planned(c.plan.answer, c.gen), self.pools.tier(ctx),
-                                         logprobs=c.plan.answer.stream_logprobs)
+                                         logprobs=c.plan.answer.stream_logprobs,
+                                         client=c.shape if c.plan.session_chunks else None)
         first: set[int] = set()
         usage = await self.decoder.stream(c.gen, c.prefilled.kv, c.plan, ctx, stream_call, c.raw,
                                           _Sending(writer, send), lambda chunk: shapes.chat_chunk(chunk, c.shape, first=first),

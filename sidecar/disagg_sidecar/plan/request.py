@@ -66,6 +66,9 @@ class RequestPlan:
     decode: DecodePlan
     answer: Answer = Answer()
     sessions: bool = False  # a chained stream goes through a derender session where one is offered
+    # A session writes the client's own chat chunks where its render offers it, relayed as bytes (an
+    # OpenAI chat stream; never a plan derived for another API, whose mapping reads the chunks).
+    session_chunks: bool = False
     coalesce: bool = True  # stateless chained streams merge the chunks that queue behind a call
     # Tokens per chunk of a streamed tokens leg: a derender session splits them per token again,
     # so fewer, larger chunks cost the decode API and the sidecar less.
@@ -137,7 +140,7 @@ def derived_chat(chat: Mapping[str, Any], caps: Capabilities, config: SidecarCon
     chat's decisions on the derived body, one choice. Its chunks are not the client's (another
     API's mapping reads them), so the decode engine writes them in the generate shape."""
     plan = _planned("chat", chat, 1, caps, config)
-    return dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, client_chunks=False))
+    return dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, client_chunks=False), session_chunks=False)
 
 
 def _planned(api: Api, body: Mapping[str, Any], n: int, caps: Capabilities, config: SidecarConfig) -> RequestPlan:
@@ -147,7 +150,7 @@ def _planned(api: Api, body: Mapping[str, Any], n: int, caps: Capabilities, conf
     return RequestPlan(
         api=api, stream=stream, n=n, decode=decisions.decode_plan(chain_api, body, caps),
         answer=Answer.of(body) if api in ("chat", "completions") else Answer(),  # messages: ``derived_chat``'s
-        sessions=sessions, coalesce=config.limits.coalesce,
+        sessions=sessions, session_chunks=sessions and stream and api == "chat", coalesce=config.limits.coalesce,
         stream_interval=config.limits.session_stream_interval if sessions else 1,
         derive_finish_reason=not config.engine.features.derender_finish_reason,
         max_logprobs=config.limits.max_logprobs, engine_max_logprobs=config.engine.max_logprobs)

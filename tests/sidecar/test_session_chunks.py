@@ -1,0 +1,211 @@
+"""A derender session that writes the client's own chat chunks (``client_streams``), against the real
+sidecar app and scripted upstreams (``upstreams``): a decode engine answering tokens, a render tier
+whose session answers are scripted. The sidecar relays a session's client chunks as written once
+checked; a render that does not offer them is never asked; a session answer that fails its checks
+never reaches the client (the stream goes on statelessly, or fails with a 502 where it cannot be
+continued exactly). The real render's sessions: tests/sidecar/test_sessions.py, tests/engine/test_sessions.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.sidecar import upstreams as fake
+from tests.sidecar.support import run_sidecar
+from tests.sidecar.upstreams import (  # noqa: F401 (fixtures)
+    CHAT, Upstreams, assert_clean, module_ups, post, read_stream, stream_error, ups,
+)
+
+SESSION = "/disagg/v1/derender/sessions/chat"
+TOKENS_DECODE = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+CAPABILITIES = "/disagg/v1/capabilities"
+
+
+def config(ups: Upstreams) -> dict[str, Any]:
+    """A tokens-only decode engine; the derender tier (the render's URL) runs sessions."""
+    return fake.config(ups, decode={"capabilities": TOKENS_DECODE}, engine={"extension": False,
+                                                                           "derender_sessions": True})
+
+
+async def tokens_decode(request: web.Request, body: Any) -> web.StreamResponse:
+    """The decode engine's tokens, one a chunk ([21], then [22] with the end): two session lines."""
+    if body.get("stream"):
+        return await fake.stream_raw(fake.sse_bytes(fake.tokens_answer(True)))(request, body)
+    return await fake.answer_json(fake.tokens_answer(False))(request, body)
+
+
+def offers(client_streams: tuple[str, ...] | None) -> fake.Handler:
+    sessions: dict[str, Any] = {"chat_path": SESSION}
+    if client_streams is not None:
+        sessions["client_streams"] = list(client_streams)
+    return fake.answer_json({"role": "render", "derender_sessions": sessions})
+
+
+def head(client: dict[str, Any]) -> dict[str, Any]:
+    return {"id": client["id"], "object": "chat.completion.chunk", "created": client["created"],
+            "model": client["model"]}
+
+
+ROLE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+HELLO = {"index": 0, "delta": {"content": "hello"}, "logprobs": None, "finish_reason": None}
+THERE = {"index": 0, "delta": {"content": " there"}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+GOOD = [(1, ROLE), (1, HELLO), (2, THERE)]  # (fed, choice): the fed count is what the choice had consumed
+
+
+def chunk(client: dict[str, Any], choice: dict[str, Any]) -> bytes:
+    return json.dumps({**head(client), "choices": [choice]}, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def client_events(client: dict[str, Any], script: list[tuple[int | None, dict[str, Any] | bytes]]) -> bytes:
+    """Session events as the engine extension writes them for ``client_stream``: ``fed:`` beside the data."""
+    out = b""
+    for fed, choice in script:
+        data = choice if isinstance(choice, bytes) else chunk(client, choice)
+        out += (b"fed: %d\n" % fed if fed is not None else b"") + b"data: " + data + b"\n\n"
+    return out
+
+
+Script = Callable[[dict[str, Any] | None], bytes]
+
+
+def session(script: Script, opened: list[dict[str, Any]]) -> fake.Handler:
+    """A session endpoint: records the open line, answers ``script(client_stream)`` and [DONE]."""
+    async def handle(request: web.Request, body: Any) -> web.StreamResponse:
+        first = json.loads(bytes(body).split(b"\n", 1)[0])
+        opened.append(first)
+        return await fake.stream_raw(script(first.get("client_stream")) + b"data: [DONE]\n\n")(request, body)
+    return handle
+
+
+def good(client: dict[str, Any] | None) -> bytes:
+    return client_events(client, GOOD)  # type: ignore[arg-type]
+
+
+def old_form(client: dict[str, Any] | None) -> bytes:
+    """What a render without ``client_streams`` answers: inline-derender events with ``fed`` inside."""
+    events = [{"fed": fed, "request_id": "r", "output_mode": "derender", "choices": [choice]} for fed, choice in GOOD]
+    return fake.sse_bytes(events, done=False)
+
+
+def scripted(ups: Upstreams, script: Script, client_streams: tuple[str, ...] | None = ("chat",)) -> list[dict[str, Any]]:
+    ups.decode.routes["/inference/v1/generate"] = tokens_decode
+    ups.render.routes[CAPABILITIES] = offers(client_streams)
+    opened: list[dict[str, Any]] = []
+    ups.render.routes[SESSION] = session(script, opened)
+    return opened
+
+
+def session_failures(sidecar) -> float:
+    return sidecar.metric("disagg_sidecar_leg_errors_total", leg="derender", kind="session")
+
+
+def stateless_calls(sidecar) -> float:
+    return sidecar.metric("disagg_sidecar_derender_calls_total", kind="stream")
+
+
+def test_the_sessions_client_chunks_are_the_clients_bytes(ups: Upstreams) -> None:
+    """A render that offers client chunks is asked for them (the open line's ``client_stream``: the
+    chat stream's id, created and model), and the client's stream is the session's data, byte for
+    byte, ``fed`` left out; no stateless call."""
+    opened = scripted(ups, good)
+    with run_sidecar(config(ups)) as sidecar:
+        resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+        assert resp.status_code == 200, resp.text
+        assert stateless_calls(sidecar) == 0 and session_failures(sidecar) == 0
+    (first,) = opened
+    client = first["client_stream"]
+    assert client["id"] == "chatcmpl-fake" and client["model"] == CHAT["model"] and client["return_token_ids"] is False
+    want = b"".join(b"data: " + chunk(client, choice) + b"\n\n" for _, choice in GOOD) + b"data: [DONE]\n\n"
+    assert resp.content == want
+    assert_clean(resp, ups)
+
+
+@pytest.mark.parametrize("client_streams", [None, ("completions",)], ids=["not-reported", "not-for-chat"])
+def test_a_render_that_does_not_offer_client_chunks_is_never_asked(ups: Upstreams, client_streams) -> None:
+    """A render pod without ``client_streams`` for chat (an older extension) gets no ``client_stream``
+    and its events are shaped: the client's stream is the same as from one that writes them."""
+    opened = scripted(ups, old_form, client_streams)
+    with run_sidecar(config(ups)) as sidecar:
+        shaped = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+    (first,) = opened
+    assert "client_stream" not in first
+    scripted(ups, good)
+    with run_sidecar(config(ups)) as sidecar:
+        relayed = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert_same_stream(shaped, relayed)
+
+
+def assert_same_stream(a, b) -> None:
+    """The same events but for ``created`` (each stream's own second)."""
+    view = lambda resp: [e if e == "[DONE]" else {k: v for k, v in e.items() if k != "created"}
+                         for e in read_stream(resp)]
+    assert view(a) == view(b) and read_stream(a)[-1] == "[DONE]"
+
+
+def test_a_pod_that_answers_the_old_form_although_asked_gets_its_events_shaped(ups: Upstreams) -> None:
+    """Behind one Service an older pod may answer a session the capabilities of a newer one promised:
+    its events do not start as the client's chunk, so they are shaped, and the client sees no difference."""
+    opened = scripted(ups, old_form)
+    with run_sidecar(config(ups)) as sidecar:
+        shaped = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+        assert session_failures(sidecar) == 0 and stateless_calls(sidecar) == 0
+    assert "client_stream" in opened[0]
+    scripted(ups, good)
+    with run_sidecar(config(ups)) as sidecar:
+        relayed = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert_same_stream(shaped, relayed)
+
+
+def _bad(script: list[tuple[int | None, dict[str, Any] | bytes]]) -> Script:
+    return lambda client: client_events(client, script)  # type: ignore[arg-type]
+
+
+NOT_JSON = b'{"id":"chatcmpl-fake","object":"chat.completion.chunk","created":0,"model":"m","choices":[<html>10.66.66.66'
+BAD_SESSIONS: dict[str, Callable[[dict[str, Any]], bytes]] = {
+    # the header is the client's (the relay's prefix) and the rest is not JSON
+    "not JSON after the header": lambda c: client_events(c, [GOOD[0]]) + b"fed: 1\ndata: " + chunk(c, HELLO)[:60]
+    + b"<html>10.66.66.66</html>\n\n",
+    "a choice index beyond n": lambda c: client_events(c, [GOOD[0], (1, {**HELLO, "index": 3})]),
+    "no fed count": lambda c: client_events(c, [GOOD[0], (None, HELLO)]),
+    "a fed count beyond the lines sent": lambda c: client_events(c, [GOOD[0], (7, HELLO)]),
+    "an error event": lambda c: client_events(c, [GOOD[0]]) + b'data: {"error":{"message":"10.66.66.66"}}\n\n',
+    "no finish reason, a line left": lambda c: client_events(c, [GOOD[0], (1, HELLO)]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SESSIONS))
+def test_a_bad_session_event_never_reaches_the_client_and_the_stream_goes_on_statelessly(
+        ups: Upstreams, case: str) -> None:
+    """A session event that starts as the client's chunk but fails its checks is a failed session:
+    nothing of it is written, and the stream continues statelessly from what the client got (the
+    role chunk, relayed: its ``fed`` is no line's output), so the client's stream is whole and right."""
+    scripted(ups, lambda client: BAD_SESSIONS[case](client))
+    with run_sidecar(config(ups)) as sidecar:
+        resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+        assert session_failures(sidecar) == 1 and stateless_calls(sidecar) > 0
+    events = read_stream(resp)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and all("role" not in d for d in deltas[1:]), events
+    assert "".join(d.get("content") or "" for d in deltas) == fake.ANSWER  # the stateless calls coalesce lines
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]].count("length") == 1
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert b"<html>" not in resp.content and b'"index":3' not in resp.content and b"fed" not in resp.content
+    assert_clean(resp, ups)
+
+
+def test_a_session_that_answered_every_line_without_finishing_is_a_502(ups: Upstreams) -> None:
+    """A session that claims every line's output was in its chunks but never finished the choice:
+    no stateless call can finish it exactly, so the stream ends with the derender tier's 502 (no [DONE])."""
+    scripted(ups, _bad([GOOD[0], (1, HELLO), (2, {**THERE, "finish_reason": None})]))
+    with run_sidecar(config(ups)) as sidecar:
+        resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+    error = stream_error(resp)
+    assert error["code"] == 502 and error["message"].startswith(
+        "The derender tier answered with an invalid answer (a derender session answered every line"), error
+    assert_clean(resp, ups)
