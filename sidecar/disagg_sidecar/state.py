@@ -43,6 +43,8 @@ class SidecarState:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # SIGTERM came (``draining`` is set)
     drained: asyncio.Event = field(default_factory=asyncio.Event)  # nothing in flight any more: vLLM may stop
     drained_waiters: Counter[str] = field(default_factory=Counter)  # per address: waiting on /health/drained
+    # (the probe's answer it was computed from, the version, the capabilities): ``capabilities``
+    _capabilities: tuple[Any, str | None, Capabilities] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.budget = MemoryBudget(self.config.limits.memory_budget_bytes)
@@ -67,7 +69,14 @@ class SidecarState:
         return self.needs_serving_check(dataclasses.replace(self.answers))
 
     def capabilities(self) -> Capabilities:
-        return capabilities.current(self.config, self.served_capabilities, self.decode_release())
+        """What the decode engine may be asked for now: computed again only when a probe brought a
+        new answer or version (every request reads it; the probes' answers change rarely)."""
+        memo = self._capabilities
+        if memo is None or memo[0] is not self.served_capabilities or memo[1] != self.decode_version:
+            memo = (self.served_capabilities, self.decode_version,
+                    capabilities.current(self.config, self.served_capabilities, self.decode_release()))
+            self._capabilities = memo
+        return memo[2]
 
     def decode_release(self) -> vllm_releases.Release | None:
         """The decode engine's row of the release table, from the version the engine itself reports

@@ -156,3 +156,22 @@ def test_the_operator_configures_what_the_release_table_says() -> None:
         features = vllm_features(version)
         assert set(features) <= set(EngineFeatures.model_fields)
         assert capabilities.configured(config(engine={"features": features})) == expected
+
+
+def test_the_state_computes_capabilities_again_only_when_a_probe_brings_news() -> None:
+    from disagg_sidecar.state import SidecarState
+
+    state = SidecarState(config(engine={"extension": True, "features": FEATURES_033}))
+    first = state.capabilities()
+    assert state.capabilities() is first  # nothing new: the same object, no per-request work
+    state.served_capabilities = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
+    narrowed = state.capabilities()
+    assert narrowed.output_modes == ("tokens",) and narrowed is not first
+    state.served_capabilities = dict(state.served_capabilities, output_modes=["tokens", "text"])  # a new answer
+    assert state.capabilities().output_modes == ("tokens", "text")
+    # The engine has no extension: stock vLLM of the configured 0.33 derenders a batch, until the
+    # engine reports 0.32, whose stock vLLM does not.
+    state.served_capabilities = "absent"
+    assert "derender" in state.capabilities().output_modes
+    state.decode_version = "0.32.0"
+    assert "derender" not in state.capabilities().output_modes
