@@ -271,7 +271,11 @@ def test_a_completions_session_asked_for_the_clients_chunks_writes_them_with_fed
     (gen,) = requests.post(render.url + "/v1/completions/render", json=body, timeout=60).json()
     first = {**gen, "stream": True, "completion_request": {**body, "prompt": "-"}}
     ids = forcer.ids(text)
-    rows = [[i, [t]] + (["stop"] if k == len(ids) - 1 else []) for k, t in enumerate(ids) for i in (0, 1)]
+
+    def logprobs(t: int) -> dict:  # as a decode engine streams them for logprobs=2: the sampled token, rank 1
+        top = [{"token_id": t, "logprob": -0.5, "rank": 1}, {"token_id": 0, "logprob": -3.0, "rank": 2}]
+        return {"content": [{"token_id": t, "logprob": -0.5, "rank": 1, "top_logprobs": top}]}
+    rows = [[i, [t], "stop" if k == len(ids) - 1 else None, None, logprobs(t)] for k, t in enumerate(ids) for i in (0, 1)]
     client = {"api": "completions", "id": "cmpl-mine", "created": 1234, "model": "served-name",
               "return_token_ids": True}
     prefix = b'data: {"id":"cmpl-mine","object":"text_completion","created":1234,"model":"served-name","choices":['

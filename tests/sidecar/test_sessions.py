@@ -215,6 +215,45 @@ def test_a_session_chat_stream_is_the_sessions_bytes(engine_set, forcer, name: s
     assert chat_stream_full_view(got) == chat_stream_full_view(reference.result())
 
 
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case, options", [
+    ("multibyte", {}),
+    ("logprobs_5_token_ids", {"n": 2, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+], ids=["plain", "n2-logprobs-ids-usage"])
+def test_a_session_completions_stream_is_the_sessions_bytes(engine_set, forcer, case: str, options: dict) -> None:
+    """A one-prompt completions stream: the render's session is asked for the client's own
+    ``text_completion`` chunks (``client_stream`` with ``api: completions``), and the client's stream is
+    the session's answer byte for byte, each event's ``fed:`` field left out, usage and [DONE] included;
+    its chunks are coupled's, and no stateless derender call was made."""
+    body = {**COMPLETION_CASES[case](forcer), "stream": True, **options}
+    request_id = f"session-bytes-completions-{case}"
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/completions", body, request_id))
+    render = engine_set.url("render")
+    with recording_proxy(render) as proxy:
+        with run_sidecar(session_config(engine_set, [Render(proxy.url, engine_set.servers["render"].pid)])) as sidecar:
+            before = stateless_calls(sidecar)
+            resp = requests.post(sidecar.url + "/v1/completions", json=body, timeout=120,
+                                 headers={"X-Request-Id": request_id})
+            assert resp.status_code == 200, resp.text
+            assert stateless_calls(sidecar) == before
+    session_path = Render(render, 0).capabilities()["derender_sessions"]["completions_path"]
+    (call,) = [c for c in proxy.calls if c.path == session_path]
+    first = json.loads(bytes(call.body).split(b"\n", 1)[0])
+    client = first["client_stream"]
+    assert client["api"] == "completions" and first["output_mode"] == "text" and client["model"] == body["model"]
+    assert client["return_token_ids"] is bool(body.get("return_token_ids"))
+    events = bytes(call.response).split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    with_choices = [e for e in events if b',"choices":[{' in e]
+    assert with_choices and all(e.startswith(b"fed: ") and e.count(b"\n") == 1 for e in with_choices)
+    assert resp.content == b"".join(e.split(b"\n")[-1] + b"\n\n" for e in events[:-1])
+    got = list(sse_events(resp.content.splitlines()))
+    assert all(e["id"] == client["id"] and e["created"] == client["created"] for e in got[:-1])
+    assert {e["object"] for e in got[:-1]} == {"text_completion"}
+    assert completion_stream_full_view(got) == completion_stream_full_view(reference.result())
+
+
 @pytest.mark.reliability
 def test_pinned_render_killed_mid_stream(engine_set, forcer, session_renders) -> None:
     """The render process a stream's session is pinned to dies mid-stream: the stream goes on
