@@ -240,12 +240,19 @@ def test_a_session_asked_for_the_clients_chunks_writes_them_with_fed_beside(sess
     prefix = b'data: {"id":"chatcmpl-mine","object":"chat.completion.chunk","created":1234,"model":"served-name",' \
              b'"choices":['
     new, old = session_answer(render.url, {**first, "client_stream": client}, rows), session_answer(render.url, first, rows)
-    assert len(new) == len(old) > 2 * len(ids)
+    same = lambda e: TOOL_CALL_ID.sub(b"chatcmpl-tool-*", e[e.index(b',"choices":['):])  # each session's own
+    assert_client_events(new, old, prefix, len(ids), same)
+
+
+def assert_client_events(new: list[bytes], old: list[bytes], prefix: bytes, tokens: int, same) -> None:
+    """A session's events with ``client_stream`` (``new``) against the same session's without (``old``),
+    two choices of ``tokens`` lines each: the same count, each data under the client's header (``prefix``)
+    and ``same`` as the other's, ``fed`` a field before it with the other's count (none for usage)."""
+    assert len(new) == len(old) > 2 * tokens
     last: dict[int, int] = {}
     for mine, theirs in zip(new[:-1], old[:-1]):
         fed, data = mine.split(b"\n") if mine.startswith(b"fed: ") else (None, mine)
         assert data.startswith(prefix), data[:200]
-        same = lambda e: TOOL_CALL_ID.sub(b"chatcmpl-tool-*", e[e.index(b',"choices":['):])  # each session's own
         assert same(data) == same(theirs)
         event = json.loads(theirs[len(b"data: "):])
         if event["choices"]:
@@ -253,8 +260,8 @@ def test_a_session_asked_for_the_clients_chunks_writes_them_with_fed_beside(sess
             assert fed == b"fed: %d" % event["fed"] and event["fed"] >= last.get(index, 0)
             last[index] = event["fed"]
         else:
-            assert fed is None and "fed" not in event and event["usage"]["completion_tokens"] == 2 * len(ids)
-    assert last == {0: len(ids), 1: len(ids)}  # each choice's every line, the last with its finish
+            assert fed is None and "fed" not in event and event["usage"]["completion_tokens"] == 2 * tokens
+    assert last == {0: tokens, 1: tokens}  # each choice's every line, the last with its finish
 
 
 @pytest.mark.engine
@@ -282,18 +289,5 @@ def test_a_completions_session_asked_for_the_clients_chunks_writes_them_with_fed
     new = session_answer(render.url, {**first, "output_mode": "text", "client_stream": client}, rows,
                          COMPLETIONS_SESSION_PATH)
     old = session_answer(render.url, first, rows, COMPLETIONS_SESSION_PATH)
-    assert len(new) == len(old) > 2 * len(ids)
-    last: dict[int, int] = {}
-    for mine, theirs in zip(new[:-1], old[:-1]):
-        fed, data = mine.split(b"\n") if mine.startswith(b"fed: ") else (None, mine)
-        assert data.startswith(prefix), data[:200]
-        assert data[data.index(b',"choices":['):] == theirs[theirs.index(b',"choices":['):]
-        event = json.loads(theirs[len(b"data: "):])
-        if event["choices"]:
-            index = event["choices"][0]["index"]
-            assert fed == b"fed: %d" % event["fed"] and event["fed"] >= last.get(index, 0)
-            last[index] = event["fed"]
-        else:
-            assert fed is None and "fed" not in event and event["usage"]["completion_tokens"] == 2 * len(ids)
-    assert last == {0: len(ids), 1: len(ids)}  # each choice's every line, the last with its finish
+    assert_client_events(new, old, prefix, len(ids), lambda e: e[e.index(b',"choices":['):])
     assert json.loads(new[0].split(b"data: ", 1)[1])["choices"][0]["prompt_token_ids"] == gen["token_ids"]
