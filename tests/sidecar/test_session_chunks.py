@@ -307,10 +307,11 @@ def test_a_bad_completions_session_event_never_reaches_the_client_and_the_stream
     """As for chat: a completions session event that starts as the client's chunk but fails its checks
     is a failed session; nothing of it is written, and the stream continues statelessly from the lines
     whose output the client got, so the client's text is whole and finished once."""
-    scripted(ups, lambda client: BAD_TEXT_SESSIONS[case](client), COMPLETIONS_ONLY)
+    opened = scripted(ups, lambda client: BAD_TEXT_SESSIONS[case](client), COMPLETIONS_ONLY)
     with run_sidecar(config(ups)) as sidecar:
         resp = post(sidecar.url, "/v1/completions", {**COMPLETION, "stream": True})
         assert session_failures(sidecar) == 1 and stateless_calls(sidecar) > 0
+    assert opened[0]["client_stream"]["api"] == "completions"  # asked, and its answer failed the checks
     events = read_stream(resp)
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == fake.ANSWER
