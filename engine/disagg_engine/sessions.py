@@ -21,9 +21,10 @@ The answer is ``text/event-stream``: exactly the events the inline derender (``s
 sends for those tokens (completions: the ``text_completion`` chunks a coupled server sends), each
 with ``fed``: how many lines of its choice the session had consumed when it was made (a client
 that loses the session resumes the stateless way from there), then ``[DONE]``. With the open
-line's ``client_stream`` (chat; the render reports ``client_streams``), each event's data is the
-client's own chunk, written as ``serving.py`` writes it for the decode leg's ``client_stream``
-(``shapes.client_stream_event``), and ``fed`` is an SSE field of its own before the data
+line's ``client_stream`` (its ``api`` the session's; the render reports ``client_streams``), each
+event's data is the client's own chunk, written as ``serving.py`` writes it for the decode leg's
+``client_stream`` (chat: ``shapes.client_stream_event``; completions: vLLM's generator under the
+client's header, as ``_client_completions``), and ``fed`` is an SSE field of its own before the data
 (``fed: 3``), so a proxy relays the data as it is; without it, ``fed`` is the event's first key. The events come
 from vLLM's own code: the engine's output processor (incremental detokenizer with the request's
 stop strings, logprob tokens, n > 1 fan-out) turns the chunks into ``RequestOutput``s, and
@@ -52,7 +53,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from disagg_engine.protocol import DisaggGenerateRequest
-from disagg_engine.shapes import client_stream_event, derender_stream_event
+from disagg_engine.shapes import client_stream_event, derender_stream_event, with_cached_tokens
 from disagg_engine.vllm_compat import (
     CompletionRequest,
     EngineCoreOutput,
@@ -239,7 +240,7 @@ class Sessions:
     def capability(self) -> dict[str, Any]:
         return {"chat_path": CHAT_SESSION_PATH, "completions_path": COMPLETIONS_SESSION_PATH,
                 "max_sessions": self.max_sessions, "idle_timeout_seconds": self.idle_seconds,
-                "client_streams": ["chat"]}  # the APIs whose sessions write the client's chunks (``fed_event``)
+                "client_streams": ["chat", "completions"]}  # the APIs whose sessions write the client's chunks (``fed_event``)
 
     async def open(self, body: AsyncIterator[bytes], api: SessionApi) -> tuple[SessionRequest, AsyncIterator[bytes]]:
         """Read and check the open line; the request and the rest of the lines."""
@@ -257,6 +258,9 @@ class Sessions:
         if api == "completions" and (request.completion_request is None or request.chat_request is not None):
             raise SessionError(400, "a completions derender session needs completion_request (the client's "
                                     "completions request) and no chat_request")
+        if request.client_stream is not None and request.client_stream.api != api:
+            raise SessionError(400, f"a {api} derender session writes {api} chunks, not "
+                                    f"client_stream api={request.client_stream.api!r}")
         if self.live >= self.max_sessions:
             raise SessionError(503, f"this render process runs its maximum of {self.max_sessions} derender "
                                     "sessions; use the stateless derender endpoint")
@@ -266,12 +270,8 @@ class Sessions:
         self.live += 1
         try:
             if request.completion_request is not None:
-                session = Session(request, self.tokenizer, prompt="")  # the text is not read (no echo)
-                events = self.completion.completion_stream_generator(
-                    request.completion_request, [], _first_prompt(session.outputs(lines)), request.request_id,
-                    int(time.time()), "", 1, self.tokenizer, RequestResponseMetadata(request_id=request.request_id))
-                async for event in events:
-                    yield tagged(event[6:].strip(), session.fed) if event.startswith("data: {") else event
+                async for event in self._completions(request, lines):
+                    yield event
                 return
             session = Session(request, self.tokenizer)
             ctx = request.model_copy(update={"output_mode": "derender", "stream": True}).chat_context()
@@ -291,6 +291,29 @@ class Sessions:
                     yield tagged(derender_stream_event(event[6:].strip(), request.request_id), session.fed)
         finally:
             self.live -= 1
+
+    async def _completions(self, request: SessionRequest, lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
+        """A completions session's events: vLLM's completions stream generator fed the session's
+        outputs for the one prompt; with ``client_stream`` under the client's header (the client's own
+        ``text_completion`` chunks, as ``serving.py`` writes them for a decode leg's), else tagged."""
+        assert request.completion_request is not None
+        session = Session(request, self.tokenizer, prompt="")  # the text is not read (no echo)
+        client = request.client_stream
+        head = (client.id, client.created, client.model) if client is not None else \
+            (request.request_id, int(time.time()), "")
+        events = self.completion.completion_stream_generator(
+            request.completion_request, [], _first_prompt(session.outputs(lines)), *head, 1, self.tokenizer,
+            RequestResponseMetadata(request_id=request.request_id))
+        async for event in events:
+            if not event.startswith("data: {"):
+                yield event
+            elif client is None:
+                yield tagged(event[6:].strip(), session.fed)
+            else:
+                payload = event[6:].strip()
+                if client.cached_tokens is not None:
+                    payload = with_cached_tokens(payload, client.cached_tokens)
+                yield fed_event(payload, session.fed)
 
     async def _lines(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         buffer = b""

@@ -147,10 +147,15 @@ def chunk_line(forcer) -> bytes:
                                b'"content": ""}]}}\n', "and no chat_request"),
     (COMPLETIONS_SESSION_PATH, b'{"token_ids": [1], "completion_request": {"prompt": "-", "n": 0}}\n',
      "invalid session request"),
-    # the client's own chunks are chat's only (the render reports ``client_streams: ["chat"]``)
+    # a completions session writes completions chunks (``client_stream`` of its API, on a streamed text leg)
     (COMPLETIONS_SESSION_PATH, b'{"token_ids": [1], "sampling_params": {}, "completion_request": {"prompt": "-"}, '
-                               b'"stream": true, "client_stream": {"id": "cmpl-x", "created": 1, "model": "m"}}\n',
-     "client_stream is only read with output_mode='derender'"),
+                               b'"stream": true, "output_mode": "derender", '
+                               b'"client_stream": {"id": "cmpl-x", "created": 1, "model": "m"}}\n',
+     "a completions derender session writes completions chunks, not client_stream api='chat'"),
+    (COMPLETIONS_SESSION_PATH, b'{"token_ids": [1], "sampling_params": {}, "completion_request": {"prompt": "-"}, '
+                               b'"stream": true, "client_stream": {"api": "completions", "id": "cmpl-x", '
+                               b'"created": 1, "model": "m"}}\n',
+     "client_stream with api='completions' is only read with output_mode='text'"),
 ])
 def test_bad_session_openings_get_an_openai_error(session_renders, path: str, body: bytes, message: str):
     resp = requests.post(live(session_renders).url + path, data=body, timeout=30)
@@ -164,7 +169,7 @@ def test_render_reports_sessions(session_renders):
     assert caps["role"] == "render" and caps["derender_sessions"]["chat_path"] == CHAT_SESSION_PATH
     assert caps["derender_sessions"]["completions_path"] == COMPLETIONS_SESSION_PATH
     assert caps["derender_sessions"]["max_sessions"] >= 200
-    assert caps["derender_sessions"]["client_streams"] == ["chat"]
+    assert caps["derender_sessions"]["client_streams"] == ["chat", "completions"]
     assert engine_args.derender_sessions(caps["vllm_version"])  # what the operator expects of this version
 
 
@@ -207,10 +212,10 @@ def test_200_sessions_then_clients_gone_count_returns_to_zero(session_renders, f
 TOOL_CALL_ID = re.compile(rb"chatcmpl-tool-[0-9A-Za-z]+")
 
 
-def session_answer(render_url: str, first: dict, rows: list[list]) -> list[bytes]:
+def session_answer(render_url: str, first: dict, rows: list[list], path: str = CHAT_SESSION_PATH) -> list[bytes]:
     """A whole session in one exchange: its events as written (the last one [DONE])."""
     body = b"".join(json.dumps(line).encode() + b"\n" for line in [first, *rows])
-    resp = requests.post(render_url + CHAT_SESSION_PATH, data=body, timeout=120)
+    resp = requests.post(render_url + path, data=body, timeout=120)
     assert resp.status_code == 200, resp.text[:500]
     events = resp.content.split(b"\n\n")
     assert events[-1] == b"" and events[-2] == b"data: [DONE]", resp.content[-300:]
@@ -235,12 +240,19 @@ def test_a_session_asked_for_the_clients_chunks_writes_them_with_fed_beside(sess
     prefix = b'data: {"id":"chatcmpl-mine","object":"chat.completion.chunk","created":1234,"model":"served-name",' \
              b'"choices":['
     new, old = session_answer(render.url, {**first, "client_stream": client}, rows), session_answer(render.url, first, rows)
-    assert len(new) == len(old) > 2 * len(ids)
+    same = lambda e: TOOL_CALL_ID.sub(b"chatcmpl-tool-*", e[e.index(b',"choices":['):])  # each session's own
+    assert_client_events(new, old, prefix, len(ids), same)
+
+
+def assert_client_events(new: list[bytes], old: list[bytes], prefix: bytes, tokens: int, same) -> None:
+    """A session's events with ``client_stream`` (``new``) against the same session's without (``old``),
+    two choices of ``tokens`` lines each: the same count, each data under the client's header (``prefix``)
+    and ``same`` as the other's, ``fed`` a field before it with the other's count (none for usage)."""
+    assert len(new) == len(old) > 2 * tokens
     last: dict[int, int] = {}
     for mine, theirs in zip(new[:-1], old[:-1]):
         fed, data = mine.split(b"\n") if mine.startswith(b"fed: ") else (None, mine)
         assert data.startswith(prefix), data[:200]
-        same = lambda e: TOOL_CALL_ID.sub(b"chatcmpl-tool-*", e[e.index(b',"choices":['):])  # each session's own
         assert same(data) == same(theirs)
         event = json.loads(theirs[len(b"data: "):])
         if event["choices"]:
@@ -248,5 +260,34 @@ def test_a_session_asked_for_the_clients_chunks_writes_them_with_fed_beside(sess
             assert fed == b"fed: %d" % event["fed"] and event["fed"] >= last.get(index, 0)
             last[index] = event["fed"]
         else:
-            assert fed is None and "fed" not in event and event["usage"]["completion_tokens"] == 2 * len(ids)
-    assert last == {0: len(ids), 1: len(ids)}  # each choice's every line, the last with its finish
+            assert fed is None and "fed" not in event and event["usage"]["completion_tokens"] == 2 * tokens
+    assert last == {0: tokens, 1: tokens}  # each choice's every line, the last with its finish
+
+
+@pytest.mark.engine
+def test_a_completions_session_asked_for_the_clients_chunks_writes_them_with_fed_beside(session_renders, forcer):
+    """A completions session with ``client_stream`` (``api: completions``) writes the client's own
+    ``text_completion`` chunks under the header it names, ``fed`` a field before each: the chunks the
+    same session writes without it (vLLM's own bytes from ``,"choices":[`` on, logprobs, token ids and
+    usage included), with the same counts."""
+    render = live(session_renders)
+    text = OUTPUTS["plain"][0]
+    body = {"model": "tiny-qwen3", "prompt": "The capital of France is", "stream": True, "n": 2, "logprobs": 2,
+            "max_tokens": 64,
+            "return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    (gen,) = requests.post(render.url + "/v1/completions/render", json=body, timeout=60).json()
+    first = {**gen, "stream": True, "completion_request": {**body, "prompt": "-"}}
+    ids = forcer.ids(text)
+
+    def logprobs(t: int) -> dict:  # as a decode engine streams them for logprobs=2: the sampled token, rank 1
+        top = [{"token_id": t, "logprob": -0.5, "rank": 1}, {"token_id": 0, "logprob": -3.0, "rank": 2}]
+        return {"content": [{"token_id": t, "logprob": -0.5, "rank": 1, "top_logprobs": top}]}
+    rows = [[i, [t], "stop" if k == len(ids) - 1 else None, None, logprobs(t)] for k, t in enumerate(ids) for i in (0, 1)]
+    client = {"api": "completions", "id": "cmpl-mine", "created": 1234, "model": "served-name",
+              "return_token_ids": True}
+    prefix = b'data: {"id":"cmpl-mine","object":"text_completion","created":1234,"model":"served-name","choices":['
+    new = session_answer(render.url, {**first, "output_mode": "text", "client_stream": client}, rows,
+                         COMPLETIONS_SESSION_PATH)
+    old = session_answer(render.url, first, rows, COMPLETIONS_SESSION_PATH)
+    assert_client_events(new, old, prefix, len(ids), lambda e: e[e.index(b',"choices":['):])
+    assert json.loads(new[0].split(b"data: ", 1)[1])["choices"][0]["prompt_token_ids"] == gen["token_ids"]

@@ -36,7 +36,8 @@ def config(**over: Any) -> SidecarConfig:
     ("completions", {"prompt": "x", "logprobs": 2, "stream": True}, EXT,
      config(limits=Limits(coalesce=False, session_stream_interval=8, max_logprobs=5), engine=Engine(max_logprobs=6)),
      RequestPlan("completions", True, 1, DecodePlan("tokens", "completions"),
-                 answer=Answer(completion_logprobs=2, stream_logprobs=True), sessions=True, coalesce=False,
+                 answer=Answer(completion_logprobs=2, stream_logprobs=True), sessions=True, session_chunks=True,
+                 coalesce=False,
                  stream_interval=8, max_logprobs=5, engine_max_logprobs=6)),
     ("generate", {"token_ids": [1], "sampling_params": {"n": 3}, "output_mode": "text", "stream": True}, EXT,
      config(), RequestPlan("generate", True, 3, DecodePlan("text", None), sessions=True, stream_interval=4,
@@ -116,10 +117,16 @@ def test_a_messages_request_is_checked_once_and_its_derived_chat_request_planned
     ("chat", {"messages": [], "stream": True, "n": 2}, config(), True),
     ("chat", {"messages": []}, config(), False),  # a batch answer: one stateless call, no session
     ("chat", {"messages": [], "stream": True}, config(engine=Engine(derender_sessions=False)), False),
-    ("completions", {"prompt": "x", "stream": True}, config(), False),  # its sessions still answer text_completion
+    ("completions", {"prompt": "x", "stream": True}, config(), True),
+    ("completions", {"prompt": [1, 2], "stream": True, "n": 2, "logprobs": 1}, config(), True),  # one token prompt
+    ("completions", {"prompt": "x"}, config(), False),
+    ("completions", {"prompt": ["x", "y"], "stream": True}, config(), False),  # several prompts: shaped
+    ("completions", {"prompt": "x", "stream": True, "echo": True}, config(), False),  # the echo: the render's text
+    ("completions", {"prompt": "x", "stream": True}, config(engine=Engine(derender_sessions=False)), False),
     ("generate", {"token_ids": [1], "stream": True}, config(), False),
 ])
-def test_a_session_writes_the_clients_chunks_for_an_openai_chat_stream_only(api, body, cfg, expected) -> None:
+def test_a_session_writes_the_clients_chunks_for_an_openai_chat_or_one_prompt_completions_stream(
+        api, body, cfg, expected) -> None:
     assert plan_request(api, body, STOCK, cfg).session_chunks is expected
 
 

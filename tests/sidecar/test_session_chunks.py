@@ -1,4 +1,4 @@
-"""A derender session that writes the client's own chat chunks (``client_streams``), against the real
+"""A derender session that writes the client's own chat (completions) chunks (``client_streams``), against the real
 sidecar app and scripted upstreams (``upstreams``): a decode engine answering tokens, a render tier
 whose session answers are scripted. The sidecar relays a session's client chunks as written once
 checked; a render that does not offer them is never asked; a session answer that fails its checks
@@ -18,10 +18,11 @@ from aiohttp import web
 from tests.sidecar import upstreams as fake
 from tests.sidecar.support import run_sidecar
 from tests.sidecar.upstreams import (  # noqa: F401 (fixtures)
-    CHAT, Upstreams, assert_clean, module_ups, post, read_stream, stream_error, ups,
+    CHAT, COMPLETION, Upstreams, assert_clean, module_ups, post, read_stream, stream_error, ups,
 )
 
 SESSION = "/disagg/v1/derender/sessions/chat"
+CMPL_SESSION = "/disagg/v1/derender/sessions/completions"
 TOKENS_DECODE = {"output_modes": ["tokens"], "streaming_output_modes": ["tokens"]}
 CAPABILITIES = "/disagg/v1/capabilities"
 
@@ -40,15 +41,15 @@ async def tokens_decode(request: web.Request, body: Any) -> web.StreamResponse:
 
 
 def offers(client_streams: tuple[str, ...] | None) -> fake.Handler:
-    sessions: dict[str, Any] = {"chat_path": SESSION}
+    sessions: dict[str, Any] = {"chat_path": SESSION, "completions_path": CMPL_SESSION}
     if client_streams is not None:
         sessions["client_streams"] = list(client_streams)
     return fake.answer_json({"role": "render", "derender_sessions": sessions})
 
 
 def head(client: dict[str, Any]) -> dict[str, Any]:
-    return {"id": client["id"], "object": "chat.completion.chunk", "created": client["created"],
-            "model": client["model"]}
+    obj = "text_completion" if client.get("api") == "completions" else "chat.completion.chunk"
+    return {"id": client["id"], "object": obj, "created": client["created"], "model": client["model"]}
 
 
 ROLE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -96,8 +97,18 @@ def scripted(ups: Upstreams, script: Script, client_streams: tuple[str, ...] | N
     ups.decode.routes["/inference/v1/generate"] = tokens_decode
     ups.render.routes[CAPABILITIES] = offers(client_streams)
     opened: list[dict[str, Any]] = []
-    ups.render.routes[SESSION] = session(script, opened)
+    ups.render.routes[SESSION] = ups.render.routes[CMPL_SESSION] = session(script, opened)
+    ups.render.routes["/v1/completions/derender"] = completions_derender
     return opened
+
+
+async def completions_derender(request: web.Request, body: Any) -> web.StreamResponse:
+    """The stateless completions derender (a failed session's fallback): one chunk and its state per call."""
+    gen = body["generate_chunk"]["choices"][0]
+    text = "".join({21: "hello", 22: " there"}[t] for t in gen["token_ids"])
+    return web.json_response({"chunk": {"id": "x", "object": "text_completion", "choices": [
+        {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.get("finish_reason"), "stop_reason": None}]},
+        "stream_state": {"seen": len(gen["token_ids"])}})
 
 
 def session_failures(sidecar) -> float:
@@ -140,9 +151,9 @@ def test_a_render_that_does_not_offer_client_chunks_is_never_asked(ups: Upstream
     assert_same_stream(shaped, relayed)
 
 
-def assert_same_stream(a, b) -> None:
-    """The same events but for ``created`` (each stream's own second)."""
-    view = lambda resp: [e if e == "[DONE]" else {k: v for k, v in e.items() if k != "created"}
+def assert_same_stream(a, b, ignored: tuple[str, ...] = ("created",)) -> None:
+    """The same events but for ``created`` (each stream's own second) and any other ``ignored`` key."""
+    view = lambda resp: [e if e == "[DONE]" else {k: v for k, v in e.items() if k not in ignored}
                          for e in read_stream(resp)]
     assert view(a) == view(b) and read_stream(a)[-1] == "[DONE]"
 
@@ -208,4 +219,102 @@ def test_a_session_that_answered_every_line_without_finishing_is_a_502(ups: Upst
     error = stream_error(resp)
     assert error["code"] == 502 and error["message"].startswith(
         "The derender tier answered with an invalid answer (a derender session answered every line"), error
+    assert_clean(resp, ups)
+
+
+# -- completions: one prompt, no echo --------------------------------------------------------------
+
+# vLLM's completions generator sets both id fields of each choice (null unless the client asked for them)
+HELLO_TEXT = {"index": 0, "text": "hello", "logprobs": None, "finish_reason": None, "stop_reason": None,
+              "prompt_token_ids": None, "token_ids": None}
+THERE_TEXT = {**HELLO_TEXT, "text": " there", "finish_reason": "length"}
+GOOD_TEXT = [(1, HELLO_TEXT), (2, THERE_TEXT)]
+COMPLETIONS_ONLY = ("completions",)
+
+
+def good_text(client: dict[str, Any] | None) -> bytes:
+    return client_events(client, GOOD_TEXT)  # type: ignore[arg-type]
+
+
+def old_text(client: dict[str, Any] | None) -> bytes:
+    """A render without completions ``client_streams``: vLLM's chunks under the session's header, ``fed`` inside."""
+    return fake.sse_bytes([{"fed": fed, "id": "cmpl-r", "object": "text_completion", "created": 1, "model": "",
+                            "choices": [choice]} for fed, choice in GOOD_TEXT], done=False)
+
+
+def test_a_completions_sessions_client_chunks_are_the_clients_bytes(ups: Upstreams) -> None:
+    """A one-prompt completions stream on a render that offers completions client chunks: the open line
+    asks for them (``client_stream`` with ``api: completions`` on a ``text`` leg, the stream's header), and
+    the client's stream is the session's data byte for byte, ``fed`` left out; no stateless call."""
+    opened = scripted(ups, good_text, COMPLETIONS_ONLY)
+    with run_sidecar(config(ups)) as sidecar:
+        resp = post(sidecar.url, "/v1/completions", {**COMPLETION, "stream": True})
+        assert resp.status_code == 200, resp.text
+        assert stateless_calls(sidecar) == 0 and session_failures(sidecar) == 0
+    (first,) = opened
+    client = first["client_stream"]
+    assert first["output_mode"] == "text" and "completion_request" in first and "chat_request" not in first
+    assert client["api"] == "completions" and client["id"].startswith("cmpl-") and client["model"] == COMPLETION["model"]
+    want = b"".join(b"data: " + chunk(client, choice) + b"\n\n" for _, choice in GOOD_TEXT) + b"data: [DONE]\n\n"
+    assert resp.content == want
+    assert_clean(resp, ups)
+
+
+@pytest.mark.parametrize("client_streams", [None, ("chat",)], ids=["not-reported", "chat-only"])
+def test_a_render_without_completions_client_chunks_is_never_asked_for_them(ups: Upstreams, client_streams) -> None:
+    """A render that writes no completions chunks of the client's gets no ``client_stream``; its events
+    are shaped, and the client's stream is the same as from one that writes them."""
+    opened = scripted(ups, old_text, client_streams)
+    with run_sidecar(config(ups)) as sidecar:
+        shaped = post(sidecar.url, "/v1/completions", {**COMPLETION, "stream": True})
+        assert session_failures(sidecar) == 0
+    (first,) = opened
+    assert "client_stream" not in first and "output_mode" not in first
+    scripted(ups, good_text, COMPLETIONS_ONLY)
+    with run_sidecar(config(ups)) as sidecar:
+        relayed = post(sidecar.url, "/v1/completions", {**COMPLETION, "stream": True})
+    assert_same_stream(shaped, relayed, ("created", "id"))  # a completions stream's id: the sidecar's, per request
+
+
+@pytest.mark.parametrize("extra", [{"prompt": ["hi", "ho"]}, {"echo": True}], ids=["several-prompts", "echo"])
+def test_several_prompts_or_echo_keep_their_sessions_shaped(ups: Upstreams, extra) -> None:
+    """Several prompts (their indices and one usage over all are the sidecar's) or echo (the prompt's
+    text is the render tier's): each session is asked for shaped events, however the render offers."""
+    opened = scripted(ups, old_text, COMPLETIONS_ONLY)
+    with run_sidecar(config(ups)) as sidecar:
+        resp = post(sidecar.url, "/v1/completions", {**COMPLETION, "stream": True, **extra})
+        assert resp.status_code == 200, resp.text
+        assert session_failures(sidecar) == 0
+    assert opened and all("client_stream" not in first for first in opened)
+    events = read_stream(resp)
+    assert events[-1] == "[DONE]" and len({e["id"] for e in events[:-1]}) == 1 and b"fed" not in resp.content
+    assert events[0]["id"] != "cmpl-r" and "".join(e["choices"][0]["text"] for e in events[:-1]).endswith(fake.ANSWER)
+
+
+BAD_TEXT_SESSIONS: dict[str, Callable[[dict[str, Any]], bytes]] = {
+    "not JSON after the header": lambda c: b"fed: 1\ndata: " + chunk(c, HELLO_TEXT)[:60] + b"<html>10.66.66.66</html>\n\n",
+    "a choice index beyond n": lambda c: client_events(c, [(1, {**HELLO_TEXT, "index": 3})]),
+    "no fed count": lambda c: client_events(c, [(None, HELLO_TEXT)]),
+    "a fed count beyond the lines sent": lambda c: client_events(c, [(7, HELLO_TEXT)]),
+    "an error event": lambda c: client_events(c, [(1, HELLO_TEXT)]) + b'data: {"error":{"message":"10.66.66.66"}}\n\n',
+    "no finish reason, a line left": lambda c: client_events(c, [(1, HELLO_TEXT)]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TEXT_SESSIONS))
+def test_a_bad_completions_session_event_never_reaches_the_client_and_the_stream_goes_on_statelessly(
+        ups: Upstreams, case: str) -> None:
+    """As for chat: a completions session event that starts as the client's chunk but fails its checks
+    is a failed session; nothing of it is written, and the stream continues statelessly from the lines
+    whose output the client got, so the client's text is whole and finished once."""
+    opened = scripted(ups, lambda client: BAD_TEXT_SESSIONS[case](client), COMPLETIONS_ONLY)
+    with run_sidecar(config(ups)) as sidecar:
+        resp = post(sidecar.url, "/v1/completions", {**COMPLETION, "stream": True})
+        assert session_failures(sidecar) == 1 and stateless_calls(sidecar) > 0
+    assert opened[0]["client_stream"]["api"] == "completions"  # asked, and its answer failed the checks
+    events = read_stream(resp)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == fake.ANSWER
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 2) + ["length"]
+    assert b"<html>" not in resp.content and b'"index":3' not in resp.content and b"fed" not in resp.content
     assert_clean(resp, ups)

@@ -178,6 +178,36 @@ def test_a_derender_tier_configured_without_sessions_is_never_asked(engine_set, 
     assert chat_stream_full_view(got) == chat_stream_full_view(reference.result())
 
 
+def _session_relayed(engine_set, api: str, body: dict, request_id: str) -> tuple[dict, list, list]:
+    """A streamed request through a sidecar whose render (behind a recording proxy) runs sessions:
+    the session's open line, the client's events and coupled's. The client's stream is the session's
+    answer byte for byte, each event's ``fed:`` field left out, [DONE] included, under the header the
+    open line's ``client_stream`` named, and no stateless derender call was made."""
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    reference = in_background(lambda: post_raw(engine_set.url("coupled"), path, body, request_id))
+    render = engine_set.url("render")
+    with recording_proxy(render) as proxy:
+        with run_sidecar(session_config(engine_set, [Render(proxy.url, engine_set.servers["render"].pid)])) as sidecar:
+            before = stateless_calls(sidecar)
+            resp = requests.post(sidecar.url + path, json=body, timeout=120, headers={"X-Request-Id": request_id})
+            assert resp.status_code == 200, resp.text
+            assert stateless_calls(sidecar) == before
+    session_path = Render(render, 0).capabilities()["derender_sessions"][f"{api}_path"]
+    (call,) = [c for c in proxy.calls if c.path == session_path]
+    first = json.loads(bytes(call.body).split(b"\n", 1)[0])
+    client = first["client_stream"]
+    assert client["api"] == api and client["model"] == body["model"]
+    assert client["return_token_ids"] is bool(body.get("return_token_ids"))
+    events = bytes(call.response).split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    with_choices = [e for e in events if b',"choices":[{' in e]
+    assert with_choices and all(e.startswith(b"fed: ") and e.count(b"\n") == 1 for e in with_choices)
+    assert resp.content == b"".join(e.split(b"\n")[-1] + b"\n\n" for e in events[:-1])
+    got = list(sse_events(resp.content.splitlines()))
+    assert all(e["id"] == client["id"] and e["created"] == client["created"] for e in got[:-1])
+    return first, got, reference.result()
+
+
 @pytest.mark.parity
 @pytest.mark.parametrize("name, options", [
     ("reasoning_tool_call", {}),
@@ -187,32 +217,28 @@ def test_a_derender_tier_configured_without_sessions_is_never_asked(engine_set, 
 def test_a_session_chat_stream_is_the_sessions_bytes(engine_set, forcer, name: str, options: dict) -> None:
     """The render's session (``client_streams``) is asked for the client's own chunks (the open
     line's ``client_stream``: the chat stream's id, created and model), and the client's stream is
-    the session's answer byte for byte, each event's ``fed:`` field left out, [DONE] included; its
-    deltas are coupled's, and no stateless derender call was made."""
-    chat = forcer.chat_body(name, stream=True, **options)
+    the session's answer byte for byte (``_session_relayed``); its deltas are coupled's."""
     request_id = f"session-bytes-{name}"
-    reference = in_background(lambda: post_raw(engine_set.url("coupled"), "/v1/chat/completions", chat, request_id))
-    render = engine_set.url("render")
-    with recording_proxy(render) as proxy:
-        with run_sidecar(session_config(engine_set, [Render(proxy.url, engine_set.servers["render"].pid)])) as sidecar:
-            before = stateless_calls(sidecar)
-            resp = requests.post(sidecar.url + "/v1/chat/completions", json=chat, timeout=120,
-                                 headers={"X-Request-Id": request_id})
-            assert resp.status_code == 200, resp.text
-            assert stateless_calls(sidecar) == before
-    session_path = Render(render, 0).capabilities()["derender_sessions"]["chat_path"]
-    (call,) = [c for c in proxy.calls if c.path == session_path]
-    client = json.loads(bytes(call.body).split(b"\n", 1)[0])["client_stream"]
-    assert client["id"] == f"chatcmpl-{request_id}" and client["model"] == chat["model"]
-    assert client["return_token_ids"] is bool(options.get("return_token_ids"))
-    events = bytes(call.response).split(b"\n\n")
-    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
-    with_choices = [e for e in events if b',"choices":[{' in e]
-    assert with_choices and all(e.startswith(b"fed: ") and e.count(b"\n") == 1 for e in with_choices)
-    assert resp.content == b"".join(e.split(b"\n")[-1] + b"\n\n" for e in events[:-1])
-    got = list(sse_events(resp.content.splitlines()))
-    assert all(e["id"] == client["id"] and e["created"] == client["created"] for e in got[:-1])
-    assert chat_stream_full_view(got) == chat_stream_full_view(reference.result())
+    first, got, reference = _session_relayed(engine_set, "chat", forcer.chat_body(name, stream=True, **options),
+                                             request_id)
+    assert first["client_stream"]["id"] == f"chatcmpl-{request_id}" and first["output_mode"] == "derender"
+    assert chat_stream_full_view(got) == chat_stream_full_view(reference)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("case, options", [
+    ("multibyte", {}),
+    ("logprobs_5_token_ids", {"n": 2, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+], ids=["plain", "n2-logprobs-ids-usage"])
+def test_a_session_completions_stream_is_the_sessions_bytes(engine_set, forcer, case: str, options: dict) -> None:
+    """A one-prompt completions stream: the render's session is asked for the client's own
+    ``text_completion`` chunks (``client_stream`` with ``api: completions`` on a ``text`` open line), and
+    the client's stream is the session's answer byte for byte (``_session_relayed``), usage included;
+    its chunks are coupled's."""
+    body = {**COMPLETION_CASES[case](forcer), "stream": True, **options}
+    first, got, reference = _session_relayed(engine_set, "completions", body, f"session-bytes-completions-{case}")
+    assert first["output_mode"] == "text" and {e["object"] for e in got[:-1]} == {"text_completion"}
+    assert completion_stream_full_view(got) == completion_stream_full_view(reference)
 
 
 @pytest.mark.reliability

@@ -274,8 +274,9 @@ class ChatStream:
 class CompletionStream:
     """Completions: the text of a choice a stop string ended is cut (the choice was held whole)."""
 
-    def __init__(self, leg: legs.DerenderLeg, opts: Options, tier: TierCall):
+    def __init__(self, leg: legs.DerenderLeg, opts: Options, tier: TierCall, client: shapes.Shape | None = None):
         self.leg, self.opts, self.tier = leg, opts, tier
+        self.client = client  # a derender session may write the client's own chunks (``RequestPlan.session_chunks``)
         self.hold = opts.stops.hold
         self.call_bytes = leg.call_bytes
         self.sent = _Sent()

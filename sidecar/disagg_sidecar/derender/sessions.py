@@ -6,8 +6,9 @@ chat or completions stream's parser and detokenizer state for the stream's life:
 opens one session per streamed prompt on one endpoint (one HTTP exchange, so it stays pinned),
 writes each generate chunk into its body as it arrives and relays the events it answers with
 (chat: inline-derender events; completions: ``text_completion`` chunks). A chat stream's session
-on a render that reports ``client_streams`` for chat is asked for the client's own chunks
-(``client_stream`` in the open line, the plan's ``session_chunks``): each event whose data starts
+(a one-prompt completions stream's without echo) on a render that reports ``client_streams`` for
+its API is asked for the client's own chunks (``client_stream`` in the open line, the plan's
+``session_chunks``; completions: on a ``text`` leg, the engine's check): each event whose data starts
 as the client's chunk (``shapes.Shape.client_prefix``) goes to the client as written, once checked
 as any session event is (``answers``: JSON, its choices within ``n``; a choice's ``fed`` in the
 event's ``fed:`` field, within the lines sent), and any other event is shaped as before, so a
@@ -84,19 +85,22 @@ def api_of(stream_call: SessionStream) -> Api:
 
 def open_line(stream_call: SessionStream, request_id: str, client: Mapping[str, Any] | None = None) -> bytes:
     """The session's first line: the decode leg's request with the client's (parser context);
-    ``client``: the chat chunks' header (``shapes.Shape.client_stream``), to write the client's own."""
+    ``client``: the chunks' header (``shapes.Shape.client_stream``), to write the client's own."""
     context = json.loads(stream_call.leg.context)
     opts = stream_call.opts
     body = {"request_id": request_id, "token_ids": opts.prompt_token_ids, "sampling_params": dict(opts.sampling),
             "stream": True, "stream_options": context.get("stream_options")}
-    if api_of(stream_call) == "chat":
-        if opts.tokens_as_ids:  # taken out of the stateless calls' context (legs.parser_context)
-            context["return_tokens_as_token_ids"] = True
+    chat = api_of(stream_call) == "chat"
+    if opts.tokens_as_ids and (chat or client is not None):  # taken out of the stateless calls' context
+        context["return_tokens_as_token_ids"] = True  # (legs.parser_context): the session writes them as coupled
+    if chat:
         body.update(output_mode="derender", chat_request=context)
-        if client is not None:
-            body[wire.CLIENT_STREAM] = dict(client)
     else:
         body["completion_request"] = context
+        if client is not None:
+            body["output_mode"] = "text"  # what a completions client_stream is read with (the engine's check)
+    if client is not None:
+        body[wire.CLIENT_STREAM] = dict(client)
     return sse.dumps(body) + b"\n"
 
 
@@ -157,9 +161,10 @@ class SessionDerender:
                  write: Write | None = None):
         self.up, self.stream_call, self._emit, self._stateless = up, stream_call, emit, stateless
         self._write = write  # the client's stream, for chunks that are the client's already
-        shape = getattr(stream_call, "client", None) if write is not None else None
-        self._client = shape.client_stream() if shape is not None else None
-        self._prefix = shape.client_prefix() if self._client is not None else None
+        shape = stream_call.client if write is not None else None
+        api = api_of(stream_call)
+        self._client = shape.client_stream(api) if shape is not None else None
+        self._prefix = shape.client_prefix(api) if self._client is not None else None
         sampling_n = stream_call.opts.sampling.get("n")
         self._n = sampling_n if type(sampling_n) is int and sampling_n > 0 else 1
         self._usage_out = False  # the session's usage chunk went out (the stateless path sends none then)

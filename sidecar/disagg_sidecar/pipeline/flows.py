@@ -302,7 +302,8 @@ class Flows:
         writer = SSEWriter(request, ctx.response_headers())
 
         async def stream_one(i: int, gen: Mapping[str, Any]) -> Any:
-            stream_call = chained.CompletionStream(derender(gen), chained.Options.planned(answer, gen), tier)
+            stream_call = chained.CompletionStream(derender(gen), chained.Options.planned(answer, gen), tier,
+                                                   client=prompt_shapes[i] if plan.session_chunks else None)
             usage = await self.decoder.stream(gen, prefilled[i].kv, plan, ctx, stream_call, None, writer,
                                               lambda chunk: firsts[i](shapes.completion_chunk(chunk, prompt_shapes[i])),
                                               prompt_shapes[i] if plan.decode.client_chunks else None)

@@ -64,11 +64,16 @@ def decode_plan(api: Api, request: Mapping[str, Any], caps: Capabilities) -> Dec
 
 
 def completion_client_chunks(request: Mapping[str, Any], caps: Capabilities) -> bool:
-    """A completions stream the decode engine can write as the client's own chunks: one prompt (the
-    chunks of several carry indices and one usage over all, the sidecar's), no ``echo`` (the
-    prompt's text is the render tier's), on an engine that writes them."""
-    return ("completions" in caps.client_streams and not request.get("echo")
-            and requestlimits.rendered_prompts(request) == 1)
+    """A completions stream the decode engine can write as the client's own chunks: one whose chunks
+    may be the client's (``completion_chunks_are_one_streams``), on an engine that writes them."""
+    return "completions" in caps.client_streams and completion_chunks_are_one_streams(request)
+
+
+def completion_chunks_are_one_streams(request: Mapping[str, Any]) -> bool:
+    """A completions request whose streamed chunks one engine stream can write as the client's own
+    (the decode engine's or a derender session's): one prompt (the chunks of several carry indices
+    and one usage over all, the sidecar's), no ``echo`` (the prompt's text is the render tier's)."""
+    return not request.get("echo") and requestlimits.rendered_prompts(request) == 1
 
 
 def answered_mode(generate: Mapping[str, Any]) -> wire.OutputMode:

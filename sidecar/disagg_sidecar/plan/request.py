@@ -66,8 +66,9 @@ class RequestPlan:
     decode: DecodePlan
     answer: Answer = Answer()
     sessions: bool = False  # a chained stream goes through a derender session where one is offered
-    # A session writes the client's own chat chunks where its render offers it, relayed as bytes (an
-    # OpenAI chat stream; never a plan derived for another API, whose mapping reads the chunks).
+    # A session writes the client's own chat (completions) chunks where its render offers it, relayed
+    # as bytes: an OpenAI chat stream, a one-prompt completions stream without echo; never a plan
+    # derived for another API, whose mapping reads the chunks.
     session_chunks: bool = False
     coalesce: bool = True  # stateless chained streams merge the chunks that queue behind a call
     # Tokens per chunk of a streamed tokens leg: a derender session splits them per token again,
@@ -143,6 +144,10 @@ def derived_chat(chat: Mapping[str, Any], caps: Capabilities, config: SidecarCon
     return dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, client_chunks=False), session_chunks=False)
 
 
+def _session_chunks(api: Api, body: Mapping[str, Any]) -> bool:
+    return api == "chat" or api == "completions" and decisions.completion_chunks_are_one_streams(body)
+
+
 def _planned(api: Api, body: Mapping[str, Any], n: int, caps: Capabilities, config: SidecarConfig) -> RequestPlan:
     stream = bool(body.get("stream"))
     sessions = config.engine.derender_sessions
@@ -150,7 +155,8 @@ def _planned(api: Api, body: Mapping[str, Any], n: int, caps: Capabilities, conf
     return RequestPlan(
         api=api, stream=stream, n=n, decode=decisions.decode_plan(chain_api, body, caps),
         answer=Answer.of(body) if api in ("chat", "completions") else Answer(),  # messages: ``derived_chat``'s
-        sessions=sessions, session_chunks=sessions and stream and api == "chat", coalesce=config.limits.coalesce,
+        sessions=sessions, session_chunks=sessions and stream and _session_chunks(api, body),
+        coalesce=config.limits.coalesce,
         stream_interval=config.limits.session_stream_interval if sessions else 1,
         derive_finish_reason=not config.engine.features.derender_finish_reason,
         max_logprobs=config.limits.max_logprobs, engine_max_logprobs=config.engine.max_logprobs)
