@@ -54,7 +54,7 @@ def _header(parts: dict[str, dict[str, Any]]) -> list[str]:
     metas = [r["meta"] for r in parts.values()]
     m = metas[0]["machine"]
     loads = {p: r["meta"]["machine"]["load_avg_at_start"] for p, r in parts.items()}
-    shared = any(la[0] > m["cores"] for la in loads.values())
+    shared = [p for p, la in loads.items() if la[0] > m["cores"]]
     lines = [
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}.",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in metas[0]["versions"].items()) + ".",
@@ -65,9 +65,10 @@ def _header(parts: dict[str, dict[str, Any]]) -> list[str]:
         + "; ".join(f"{p} {'/'.join(str(x) for x in la)}" for p, la in loads.items()) + ".",
     ]
     if shared:
-        lines.append(f"**This run shared the machine** with other work (load above its {m['cores']} cores): "
-                     "absolute times are inflated and noisy; the ratios compare sides that ran alternately in one "
-                     "process, so noise hit both, but their spread is wide.")
+        lines.append(f"**{', '.join(shared)} started with the load above the machine's {m['cores']} cores** (other "
+                     "work, or the bench's previous part still ending): absolute times are inflated and noisy; the "
+                     "ratios compare sides that ran alternately in one process, so noise hit both, but their spread "
+                     "is wide.")
     return lines
 
 
