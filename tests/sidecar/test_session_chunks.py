@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import requests
 from aiohttp import web
 
 from tests.sidecar import upstreams as fake
@@ -123,17 +124,28 @@ def test_the_sessions_client_chunks_are_the_clients_bytes(ups: Upstreams) -> Non
     """A render that offers client chunks is asked for them (the open line's ``client_stream``: the
     chat stream's id, created and model), and the client's stream is the session's data, byte for
     byte, ``fed`` left out; no stateless call."""
-    opened = scripted(ups, good)
+    resp, first = relayed_by_session(ups, scripted(ups, good), "/v1/chat/completions", CHAT)
+    client = first["client_stream"]
+    assert client["id"] == "chatcmpl-fake" and client["model"] == CHAT["model"] and client["return_token_ids"] is False
+    assert resp.content == client_bytes(client, GOOD)
+    assert_clean(resp, ups)
+
+
+def relayed_by_session(ups: Upstreams, opened: list[dict[str, Any]], path: str,
+                       body: dict[str, Any]) -> tuple[requests.Response, dict[str, Any]]:
+    """``body`` streamed through a sidecar whose render session answers: the client's answer (200,
+    no stateless call, no failed session) and the session's open line."""
     with run_sidecar(config(ups)) as sidecar:
-        resp = post(sidecar.url, "/v1/chat/completions", {**CHAT, "stream": True})
+        resp = post(sidecar.url, path, {**body, "stream": True})
         assert resp.status_code == 200, resp.text
         assert stateless_calls(sidecar) == 0 and session_failures(sidecar) == 0
     (first,) = opened
-    client = first["client_stream"]
-    assert client["id"] == "chatcmpl-fake" and client["model"] == CHAT["model"] and client["return_token_ids"] is False
-    want = b"".join(b"data: " + chunk(client, choice) + b"\n\n" for _, choice in GOOD) + b"data: [DONE]\n\n"
-    assert resp.content == want
-    assert_clean(resp, ups)
+    return resp, first
+
+
+def client_bytes(client: dict[str, Any], choices: list[tuple[int, dict[str, Any]]]) -> bytes:
+    """The client's stream: each choice's chunk under the stream's header, then ``[DONE]``."""
+    return b"".join(b"data: " + chunk(client, choice) + b"\n\n" for _, choice in choices) + b"data: [DONE]\n\n"
 
 
 @pytest.mark.parametrize("client_streams", [None, ("completions",)], ids=["not-reported", "not-for-chat"])
@@ -246,17 +258,11 @@ def test_a_completions_sessions_client_chunks_are_the_clients_bytes(ups: Upstrea
     """A one-prompt completions stream on a render that offers completions client chunks: the open line
     asks for them (``client_stream`` with ``api: completions`` on a ``text`` leg, the stream's header), and
     the client's stream is the session's data byte for byte, ``fed`` left out; no stateless call."""
-    opened = scripted(ups, good_text, COMPLETIONS_ONLY)
-    with run_sidecar(config(ups)) as sidecar:
-        resp = post(sidecar.url, "/v1/completions", {**COMPLETION, "stream": True})
-        assert resp.status_code == 200, resp.text
-        assert stateless_calls(sidecar) == 0 and session_failures(sidecar) == 0
-    (first,) = opened
+    resp, first = relayed_by_session(ups, scripted(ups, good_text, COMPLETIONS_ONLY), "/v1/completions", COMPLETION)
     client = first["client_stream"]
     assert first["output_mode"] == "text" and "completion_request" in first and "chat_request" not in first
     assert client["api"] == "completions" and client["id"].startswith("cmpl-") and client["model"] == COMPLETION["model"]
-    want = b"".join(b"data: " + chunk(client, choice) + b"\n\n" for _, choice in GOOD_TEXT) + b"data: [DONE]\n\n"
-    assert resp.content == want
+    assert resp.content == client_bytes(client, GOOD_TEXT)
     assert_clean(resp, ups)
 
 
