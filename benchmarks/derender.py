@@ -139,16 +139,21 @@ def measure_many(ctx, label: str, url: str, pids: dict[str, int], body: dict, fl
     cpu = meter.stop()
     if bad := [s for s in samples if not s.ok]:
         raise RuntimeError(f"{label}: {bad[0].error}")
-    moved = traffic(tier_proxy.calls)
-    derender = [p for p in DERENDER if p in moved["calls"]]
     out.append({"wall_s": max(s.latency for s in samples), "chunks": sum(s.chunks for s in samples),
                 "max_gap_s": max((g for s in samples for g in s.gaps), default=0.0),
                 "cpu_total_s": sum(cpu.values()), **{f"cpu_{k}_s": v for k, v in cpu.items()},
-                "derender_calls": sum(moved["calls"][p] for p in derender),
-                "bytes_to_derender": sum(moved["bytes_out"][p] for p in derender),
-                "bytes_from_derender": sum(moved["bytes_in"][p] for p in derender),
-                "bytes_render_leg": 0, "bytes_floor": STOCK_STREAMS * floor})
+                **tier_traffic(traffic(tier_proxy.calls)), "bytes_floor": STOCK_STREAMS * floor})
     ctx.log(f"derender {label}: {STOCK_STREAMS} streams, chunks {out[-1]['chunks']} cpu {sum(cpu.values()):.2f}s")
+
+
+def tier_traffic(moved: dict[str, Any]) -> dict[str, int]:
+    """Calls and bytes between the sidecar and the render/derender tier (``stack.traffic``): those of
+    derender (stateless calls and sessions) and the rest (the render leg)."""
+    derender = [p for p in DERENDER if p in moved["calls"]]
+    to, back = sum(moved["bytes_out"][p] for p in derender), sum(moved["bytes_in"][p] for p in derender)
+    return {"derender_calls": sum(moved["calls"][p] for p in derender), "bytes_to_derender": to,
+            "bytes_from_derender": back,
+            "bytes_render_leg": sum(moved["bytes_out"].values()) + sum(moved["bytes_in"].values()) - to - back}
 
 
 def measure(ctx, label: str, url: str, pids: dict[str, int], body: dict, floor: int, tier_proxy: Any,
@@ -168,16 +173,10 @@ def measure(ctx, label: str, url: str, pids: dict[str, int], body: dict, floor: 
         want = view
     elif view != want:
         mismatches.append(label)
-    derender = [p for p in DERENDER if p in moved["calls"]]
     out.append({
         "wall_s": s.latency, "chunks": s.chunks, "max_gap_s": max(s.gaps, default=0.0),
         "cpu_total_s": sum(cpu.values()), **{f"cpu_{k}_s": v for k, v in cpu.items()},
-        "derender_calls": sum(moved["calls"][p] for p in derender),
-        "bytes_to_derender": sum(moved["bytes_out"][p] for p in derender),
-        "bytes_from_derender": sum(moved["bytes_in"][p] for p in derender),
-        "bytes_render_leg": sum(moved["bytes_out"].values()) + sum(moved["bytes_in"].values())
-        - sum(moved["bytes_out"][p] + moved["bytes_in"][p] for p in derender),
-        "bytes_floor": floor,
+        **tier_traffic(moved), "bytes_floor": floor,
     })
     if " session" in label and moved["calls"].get(CHAT_SESSION_PATH) != 1:
         mismatches.append(f"{label}: {moved['calls']} (not one session)")

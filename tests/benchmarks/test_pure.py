@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 
-from benchmarks.derender import bytes_growth, summarise
+from benchmarks.derender import bytes_growth, summarise, tier_traffic
 from benchmarks.goals import Goal, check_all
 from benchmarks.prefix import share_cap
 from benchmarks.profile import collapsed_top
@@ -67,6 +67,18 @@ def test_the_concurrent_stock_rows_are_ratios_to_coupled_with_as_many_streams() 
     assert keys["stock_inline_cpu_ratio_4096"] == 1.5
     assert keys["stock_inline_x8_cpu_ratio_4096"] == 1.1  # against coupled's 8 streams, not its one
     assert keys["stock_inline_x8_chunks_ratio_4096"] == 31000 / 32000
+
+
+def test_tier_traffic_tells_derender_calls_from_the_render_leg() -> None:
+    moved = {"calls": {"/v1/chat/completions/derender": 3, "/v1/chat/completions/render": 1},
+             "bytes_out": {"/v1/chat/completions/derender": 30, "/v1/chat/completions/render": 5},
+             "bytes_in": {"/v1/chat/completions/derender": 60, "/v1/chat/completions/render": 7}}
+    assert tier_traffic(moved) == {"derender_calls": 3, "bytes_to_derender": 30, "bytes_from_derender": 60,
+                                   "bytes_render_leg": 12}
+    render_only = {"calls": {"/v1/chat/completions/render": 1}, "bytes_out": {"/v1/chat/completions/render": 5},
+                   "bytes_in": {"/v1/chat/completions/render": 7}}
+    assert tier_traffic(render_only) == {"derender_calls": 0, "bytes_to_derender": 0, "bytes_from_derender": 0,
+                                         "bytes_render_leg": 12}
 
 
 def test_footprint_settles_only_without_clients_requests_or_extra_threads() -> None:
