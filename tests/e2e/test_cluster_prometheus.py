@@ -171,9 +171,12 @@ def test_the_planners_signals_are_series_per_pod_and_a_counter_follows_the_pods_
     for family, (pod, role) in per_pod.items():
         found = series(prometheus, f'count by (pod, role) ({family}{{{sel}}})')
         assert (pod["metadata"]["name"], role) in found, (family, found)
-    # The prompts' first tokens came from the prefill engine: its TTFT histogram counted them.
-    ttft = series(prometheus, f'sum by (pod, role) ({signals.TTFT}_count{{{sel},pool="prefill"}})')
-    assert ttft[(prefill["metadata"]["name"], "engine")] >= REQUESTS, ttft
+    # The prompts' first tokens came from the prefill engine: its TTFT histogram counted them (once
+    # Prometheus scraped the prefill pod after them: its targets are scraped apart from the decode pod's).
+    def prefilled() -> dict[tuple[str, str], float] | None:
+        ttft = series(prometheus, f'sum by (pod, role) ({signals.TTFT}_count{{{sel},pool="prefill"}})')
+        return ttft if ttft.get((prefill["metadata"]["name"], "engine"), 0.0) >= REQUESTS else None
+    prometheus.wait_for(prefilled, f"the prefill engine's TTFT count at {REQUESTS} in Prometheus", timeout=30)
 
     # The planner's own queries (signals.promql, what spec.autoscaling.prometheus asks) answer from it:
     # the latencies of these requests (once the engines' next scrape is in), nothing waiting, a KV usage.
